@@ -1,0 +1,65 @@
+// Device helpers shared by the CUDA kernels: 16-byte vector access and row reductions.
+#pragma once
+
+// c10's CUDA headers only: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers, which a
+// minimal CUDA toolkit lacks, and lengthen every nvcc run.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include "lf_common.h"
+
+namespace loongforge {
+
+// At most 16-byte alignment is required, so a 32-byte vector (8 floats) needs only 16-byte-aligned
+// addresses and compiles to two 128-bit accesses.
+template <typename T, int N>
+struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Vec {
+    T val[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* __restrict__ p) {
+    return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, N>& v) {
+    *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+// Sum `v` over the `tpr` threads (threadIdx.x) that share one row (threadIdx.y). `tpr` is a power of
+// two below 32 or a multiple of 32; the block holds a whole number of warps. `smem` holds 32 floats
+// per row. Every thread of the block must call this (it may hold barriers). The summation order is
+// fixed, so results are deterministic.
+__device__ __forceinline__ float row_allreduce_sum(float v, float* smem, int tpr) {
+    const int width = tpr < 32 ? tpr : 32;
+    for (int offset = width / 2; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    if (tpr <= 32) return v;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    float* row_smem = smem + threadIdx.y * 32;
+    if (lane == 0) row_smem[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < tpr / 32; ++w) total += row_smem[w];
+    __syncthreads();
+    return total;
+}
+
+inline int lf_sm_count() {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+}
+
+inline bool lf_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace loongforge
+
+#define LF_CUDA_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()

@@ -1,0 +1,37 @@
+// Python binding of the fused RMSNorm op. The CUDA build (LF_WITH_CUDA) binds the CUDA kernels, the
+// CPU build the CPU kernels, under the same names, so the Python op calls `forward`/`backward` alike.
+#include <torch/extension.h>
+
+#include "lf_common.h"
+
+namespace loongforge {
+#ifdef LF_WITH_CUDA
+std::vector<at::Tensor> rmsnorm_fwd_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                         const at::Tensor& weight, double eps);
+std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor& h,
+                                         const at::Tensor& rstd, const at::Tensor& weight,
+                                         const c10::optional<at::Tensor>& dresidual);
+#define LF_RMSNORM_FWD rmsnorm_fwd_cuda
+#define LF_RMSNORM_BWD rmsnorm_bwd_cuda
+#define LF_DEVICE "cuda"
+#else
+std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                        const at::Tensor& weight, double eps);
+std::vector<at::Tensor> rmsnorm_bwd_cpu(const at::Tensor& dy, const at::Tensor& h,
+                                        const at::Tensor& rstd, const at::Tensor& weight,
+                                        const c10::optional<at::Tensor>& dresidual);
+#define LF_RMSNORM_FWD rmsnorm_fwd_cpu
+#define LF_RMSNORM_BWD rmsnorm_bwd_cpu
+#define LF_DEVICE "cpu"
+#endif
+}  // namespace loongforge
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.attr("device") = LF_DEVICE;
+    m.def("forward", &loongforge::LF_RMSNORM_FWD, py::arg("x"), py::arg("residual"), py::arg("weight"),
+          py::arg("eps"),
+          "RMSNorm forward on rows [rows, hidden]; returns (y, new_residual or None, rstd[fp32])");
+    m.def("backward", &loongforge::LF_RMSNORM_BWD, py::arg("dy"), py::arg("h"), py::arg("rstd"),
+          py::arg("weight"), py::arg("dresidual"),
+          "RMSNorm backward; returns (dx, dweight)");
+}

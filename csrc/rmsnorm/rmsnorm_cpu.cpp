@@ -1,0 +1,197 @@
+// Fused RMSNorm on the CPU: the same arithmetic as rmsnorm.cu (fp32 accumulation, one rounding per
+// output). Rows are split over ATen's thread pool; sums use 8 independent accumulators so the compiler
+// can vectorize them. dw is summed per fixed row chunk and the chunks are added in order, so the result
+// does not depend on the number of threads.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "lf_common.h"
+
+namespace loongforge {
+namespace {
+
+constexpr int kLanes = 8;
+constexpr int64_t kMaxDwChunks = 64;
+
+inline float lane_sum(const float (&acc)[kLanes]) {
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+template <typename T, typename W>
+void fwd_rows(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w, T* y,
+              T* h_out, float* rstd_out, int64_t row_begin, int64_t row_end, int64_t hidden,
+              float eps, std::vector<float>& buf) {
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        const T* xr = x + row * x_stride;
+        float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (res != nullptr) {
+            const T* rr = res + row * res_stride;
+            T* hr = h_out + row * hidden;
+            for (int64_t c = 0; c < hidden; ++c) {
+                const T hv = static_cast<T>(static_cast<float>(xr[c]) + static_cast<float>(rr[c]));
+                hr[c] = hv;
+                buf[c] = static_cast<float>(hv);
+            }
+        } else {
+            for (int64_t c = 0; c < hidden; ++c) buf[c] = static_cast<float>(xr[c]);
+        }
+        for (int64_t c = 0; c < hidden; ++c) acc[c % kLanes] += buf[c] * buf[c];
+        const float rstd = 1.f / std::sqrt(lane_sum(acc) / static_cast<float>(hidden) + eps);
+        rstd_out[row] = rstd;
+        T* yr = y + row * hidden;
+        for (int64_t c = 0; c < hidden; ++c) {
+            yr[c] = static_cast<T>(buf[c] * rstd * static_cast<float>(w[c]));
+        }
+    }
+}
+
+template <typename T, typename W>
+void bwd_rows(const T* dy, const T* h, int64_t h_stride, const float* rstd_in, const W* w,
+              const T* dres, T* dx, float* dw_acc, int64_t row_begin, int64_t row_end,
+              int64_t hidden, std::vector<float>& xhat, std::vector<float>& g) {
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        const T* hr = h + row * h_stride;
+        const T* dyr = dy + row * hidden;
+        const float rstd = rstd_in[row];
+        float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t c = 0; c < hidden; ++c) {
+            const float d = static_cast<float>(dyr[c]);
+            xhat[c] = static_cast<float>(hr[c]) * rstd;
+            g[c] = d * static_cast<float>(w[c]);
+            dw_acc[c] += d * xhat[c];
+        }
+        for (int64_t c = 0; c < hidden; ++c) acc[c % kLanes] += xhat[c] * g[c];
+        const float dot = lane_sum(acc) / static_cast<float>(hidden);
+        T* dxr = dx + row * hidden;
+        if (dres != nullptr) {
+            const T* drr = dres + row * hidden;
+            for (int64_t c = 0; c < hidden; ++c) {
+                dxr[c] = static_cast<T>(rstd * (g[c] - xhat[c] * dot) + static_cast<float>(drr[c]));
+            }
+        } else {
+            for (int64_t c = 0; c < hidden; ++c) {
+                dxr[c] = static_cast<T>(rstd * (g[c] - xhat[c] * dot));
+            }
+        }
+    }
+}
+
+template <typename T>
+void dispatch_weight_cpu(const at::Tensor& weight, const char* name, const auto& fn) {
+    if (weight.scalar_type() == c10::CppTypeToScalarType<T>::value) {
+        fn.template operator()<T>();
+    } else if (weight.scalar_type() == at::kFloat) {
+        fn.template operator()<float>();
+    } else {
+        TORCH_CHECK(false, name, ": weight dtype must equal the input dtype or be float32, got weight ",
+                    weight.scalar_type(), " for input ", c10::CppTypeToScalarType<T>::value);
+    }
+}
+
+void check_inputs_cpu(const at::Tensor& x, const at::Tensor& weight) {
+    LF_CHECK_CPU(x);
+    LF_CHECK_CPU(weight);
+    LF_CHECK_ROWS(x);
+    LF_CHECK_FLOATING(x);
+    LF_CHECK_DIM(weight, 1);
+    LF_CHECK_CONTIGUOUS(weight);
+    TORCH_CHECK(weight.size(0) == x.size(1), "rmsnorm: weight has ", weight.size(0),
+                " elements but the input rows have ", x.size(1),
+                "; the weight must match the hidden size");
+    TORCH_CHECK(x.size(1) > 0, "rmsnorm: hidden size must be >= 1, got ", x.size(1));
+}
+
+}  // namespace
+
+std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
+                                        const c10::optional<at::Tensor>& residual,
+                                        const at::Tensor& weight, double eps) {
+    check_inputs_cpu(x, weight);
+    const bool has_res = residual.has_value() && residual->defined();
+    if (has_res) {
+        LF_CHECK_CPU(*residual);
+        LF_CHECK_ROWS(*residual);
+        TORCH_CHECK(residual->sizes() == x.sizes(), "rmsnorm: residual shape ", residual->sizes(),
+                    " differs from input shape ", x.sizes());
+        TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "rmsnorm: residual dtype ",
+                    residual->scalar_type(), " differs from input dtype ", x.scalar_type());
+    }
+    TORCH_CHECK(eps >= 0, "rmsnorm: eps must be >= 0, got ", eps);
+    const int64_t rows = x.size(0);
+    const int64_t hidden = x.size(1);
+    auto y = at::empty({rows, hidden}, x.options());
+    auto h_out = has_res ? at::empty({rows, hidden}, x.options()) : at::Tensor();
+    auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    LF_DISPATCH_FLOATING(x.scalar_type(), "rmsnorm_fwd_cpu", [&] {
+        using T = scalar_t;
+        dispatch_weight_cpu<T>(weight, "rmsnorm_fwd_cpu", [&]<typename W>() {
+            const T* rp = has_res ? residual->data_ptr<T>() : nullptr;
+            const int64_t rs = has_res ? residual->stride(0) : 0;
+            T* hp = has_res ? h_out.data_ptr<T>() : nullptr;
+            at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+                std::vector<float> buf(hidden);
+                fwd_rows<T, W>(x.data_ptr<T>(), x.stride(0), rp, rs, weight.data_ptr<W>(),
+                               y.data_ptr<T>(), hp, rstd.data_ptr<float>(), begin, end, hidden,
+                               static_cast<float>(eps), buf);
+            });
+        });
+    });
+    return {y, h_out, rstd};
+}
+
+std::vector<at::Tensor> rmsnorm_bwd_cpu(const at::Tensor& dy, const at::Tensor& h,
+                                        const at::Tensor& rstd, const at::Tensor& weight,
+                                        const c10::optional<at::Tensor>& dresidual) {
+    check_inputs_cpu(h, weight);
+    LF_CHECK_CPU(dy);
+    LF_CHECK_CONTIGUOUS(dy);
+    TORCH_CHECK(dy.sizes() == h.sizes(), "rmsnorm_bwd: grad shape ", dy.sizes(),
+                " differs from input shape ", h.sizes());
+    TORCH_CHECK(dy.scalar_type() == h.scalar_type(), "rmsnorm_bwd: grad dtype ", dy.scalar_type(),
+                " differs from input dtype ", h.scalar_type());
+    LF_CHECK_CPU(rstd);
+    LF_CHECK_DTYPE(rstd, at::kFloat);
+    LF_CHECK_SHAPE(rstd, h.size(0));
+    const bool has_dres = dresidual.has_value() && dresidual->defined();
+    if (has_dres) {
+        LF_CHECK_CPU(*dresidual);
+        LF_CHECK_CONTIGUOUS(*dresidual);
+        TORCH_CHECK(dresidual->sizes() == h.sizes() && dresidual->scalar_type() == h.scalar_type(),
+                    "rmsnorm_bwd: residual grad must match the input, got ", dresidual->sizes(), " ",
+                    dresidual->scalar_type());
+    }
+    const int64_t rows = h.size(0);
+    const int64_t hidden = h.size(1);
+    auto dx = at::empty({rows, hidden}, h.options());
+    const int64_t chunks = std::max<int64_t>(1, std::min(rows, kMaxDwChunks));
+    auto partial = at::zeros({chunks, hidden}, h.options().dtype(at::kFloat));
+    auto dw = at::empty_like(weight);
+    LF_DISPATCH_FLOATING(h.scalar_type(), "rmsnorm_bwd_cpu", [&] {
+        using T = scalar_t;
+        dispatch_weight_cpu<T>(weight, "rmsnorm_bwd_cpu", [&]<typename W>() {
+            const T* drp = has_dres ? dresidual->data_ptr<T>() : nullptr;
+            float* pp = partial.data_ptr<float>();
+            at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
+                std::vector<float> xhat(hidden), g(hidden);
+                for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
+                    const int64_t rb = rows * chunk / chunks;
+                    const int64_t re = rows * (chunk + 1) / chunks;
+                    bwd_rows<T, W>(dy.data_ptr<T>(), h.data_ptr<T>(), h.stride(0),
+                                   rstd.data_ptr<float>(), weight.data_ptr<W>(), drp,
+                                   dx.data_ptr<T>(), pp + chunk * hidden, rb, re, hidden, xhat, g);
+                }
+            });
+            W* dwp = dw.data_ptr<W>();
+            for (int64_t c = 0; c < hidden; ++c) {
+                float s = 0.f;
+                for (int64_t chunk = 0; chunk < chunks; ++chunk) s += pp[chunk * hidden + c];
+                dwp[c] = static_cast<W>(s);
+            }
+        });
+    });
+    return {dx, dw};
+}
+
+}  // namespace loongforge

@@ -1,0 +1,115 @@
+// Fused SwiGLU + dropout on the CPU: same formulas and the same Philox mask as swiglu.cu, so CPU and
+// CUDA results agree bit for bit in the mask and to rounding in the values.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "lf_common.h"
+
+namespace loongforge {
+namespace {
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+struct MaskRow {
+    uint64_t seed, offset;
+    uint32_t threshold;
+    // keep bit of flat element e; caches the last Philox block so each block is drawn once
+    uint64_t cached_block = ~uint64_t{0};
+    Philox4 words{};
+    bool keep(uint64_t e) {
+        const uint64_t block = e / 4;
+        if (block != cached_block) {
+            words = dropout_words(seed, offset, block);
+            cached_block = block;
+        }
+        return words.v[e % 4] < threshold;
+    }
+};
+
+void check_common(const at::Tensor& gate_up, double p) {
+    LF_CHECK_CPU(gate_up);
+    LF_CHECK_ROWS(gate_up);
+    LF_CHECK_FLOATING(gate_up);
+    TORCH_CHECK(gate_up.size(1) % 2 == 0, "swiglu: the last dimension holds [gate | up] and must be "
+                "even, got ", gate_up.size(1));
+    TORCH_CHECK(p >= 0.0 && p < 1.0, "swiglu_dropout: p must be in [0, 1), got ", p);
+}
+
+}  // namespace
+
+at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset) {
+    check_common(gate_up, p);
+    const int64_t rows = gate_up.size(0);
+    const int64_t inter = gate_up.size(1) / 2;
+    auto out = at::empty({rows, inter}, gate_up.options());
+    const bool dropout = p > 0.0;
+    const uint32_t threshold = dropout ? keep_threshold_from_p(p) : 0u;
+    const float scale = static_cast<float>(1.0 / (1.0 - p));
+    LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_fwd_cpu", [&] {
+        using T = scalar_t;
+        const T* in = gate_up.data_ptr<T>();
+        T* o = out.data_ptr<T>();
+        const int64_t stride = gate_up.stride(0);
+        at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+            MaskRow mask{static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), threshold};
+            for (int64_t n = begin; n < end; ++n) {
+                const T* g = in + n * stride;
+                const T* u = g + inter;
+                T* orow = o + n * inter;
+                for (int64_t i = 0; i < inter; ++i) {
+                    const float gf = static_cast<float>(g[i]);
+                    float v = gf * sigmoid(gf) * static_cast<float>(u[i]);
+                    if (dropout) v = mask.keep(static_cast<uint64_t>(n * inter + i)) ? v * scale : 0.f;
+                    orow[i] = static_cast<T>(v);
+                }
+            }
+        });
+    });
+    return out;
+}
+
+at::Tensor swiglu_bwd_cpu(const at::Tensor& dout, const at::Tensor& gate_up, double p, int64_t seed,
+                          int64_t offset) {
+    check_common(gate_up, p);
+    LF_CHECK_CPU(dout);
+    LF_CHECK_CONTIGUOUS(dout);
+    LF_CHECK_SHAPE(dout, gate_up.size(0), gate_up.size(1) / 2);
+    TORCH_CHECK(dout.scalar_type() == gate_up.scalar_type(), "swiglu_bwd: grad dtype ",
+                dout.scalar_type(), " differs from input dtype ", gate_up.scalar_type());
+    const int64_t rows = gate_up.size(0);
+    const int64_t inter = gate_up.size(1) / 2;
+    auto dgate_up = at::empty({rows, 2 * inter}, gate_up.options());
+    const bool dropout = p > 0.0;
+    const uint32_t threshold = dropout ? keep_threshold_from_p(p) : 0u;
+    const float scale = static_cast<float>(1.0 / (1.0 - p));
+    LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_bwd_cpu", [&] {
+        using T = scalar_t;
+        const T* in = gate_up.data_ptr<T>();
+        const T* dz_all = dout.data_ptr<T>();
+        T* d_all = dgate_up.data_ptr<T>();
+        const int64_t stride = gate_up.stride(0);
+        at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+            MaskRow mask{static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), threshold};
+            for (int64_t n = begin; n < end; ++n) {
+                const T* g = in + n * stride;
+                const T* u = g + inter;
+                const T* dz_row = dz_all + n * inter;
+                T* dg = d_all + n * 2 * inter;
+                T* du = dg + inter;
+                for (int64_t i = 0; i < inter; ++i) {
+                    const float gf = static_cast<float>(g[i]);
+                    const float uf = static_cast<float>(u[i]);
+                    float dz = static_cast<float>(dz_row[i]);
+                    if (dropout) dz = mask.keep(static_cast<uint64_t>(n * inter + i)) ? dz * scale : 0.f;
+                    const float s = sigmoid(gf);
+                    dg[i] = static_cast<T>(dz * uf * s * (1.f + gf * (1.f - s)));
+                    du[i] = static_cast<T>(dz * gf * s);
+                }
+            }
+        });
+    });
+    return dgate_up;
+}
+
+}  // namespace loongforge

@@ -1,0 +1,134 @@
+"""Drop-in modules over the fused ops: FusedRMSNorm and FusedSwiGLUMLP.
+
+Both keep transformers' parameter names and checkpoint keys, so a model that uses them saves and loads
+like the stock model:
+
+* FusedRMSNorm has ``weight [H]`` and both ``variance_epsilon`` (Llama/Mixtral/Qwen) and ``eps``.
+* FusedSwiGLUMLP computes gate and up with one GEMM (``gate_up_proj.weight [2I, H]``) but its
+  ``state_dict()`` holds HF's ``gate_proj.weight`` / ``up_proj.weight``; ``load_state_dict()``
+  accepts those keys or the fused ``gate_up_proj.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds_loongforge.ops.rmsnorm import fused_rmsnorm
+from ds_loongforge.ops.swiglu import swiglu_dropout
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm over the last dimension; ``forward(x, residual=None)``.
+
+    With ``residual`` it returns ``(norm(x + residual), x + residual)`` from one fused kernel.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, impl: str = "auto",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        if hidden_size < 1:
+            raise ValueError(f"FusedRMSNorm: hidden_size must be >= 1, got {hidden_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = float(eps)
+        self.impl = impl
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self.variance_epsilon = float(value)
+
+    @classmethod
+    def from_hf(cls, module: nn.Module, impl: str = "auto") -> "FusedRMSNorm":
+        """Wrap an HF ``*RMSNorm`` (``weight`` times the normalized input), sharing its weight Parameter."""
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            raise ValueError(f"FusedRMSNorm.from_hf: {type(module).__name__} has no 1-D `weight` Parameter")
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            raise ValueError(f"FusedRMSNorm.from_hf: {type(module).__name__} has neither `variance_epsilon` nor `eps`")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.weight = weight
+        fused.variance_epsilon = float(eps)
+        fused.impl = impl
+        return fused
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        return fused_rmsnorm(hidden_states, self.weight, self.variance_epsilon, residual=residual, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, impl={self.impl!r}"
+
+
+class FusedSwiGLUMLP(nn.Module):
+    """``down_proj(dropout_p(silu(gate_proj(x)) * up_proj(x)))`` with gate and up fused in one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, dropout: float = 0.0,
+                 impl: str = "auto", device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        if hidden_size < 1 or intermediate_size < 1:
+            raise ValueError(f"FusedSwiGLUMLP: sizes must be >= 1, got hidden_size={hidden_size}, "
+                             f"intermediate_size={intermediate_size}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"FusedSwiGLUMLP: dropout must be in [0, 1), got {dropout}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.dropout = dropout
+        self.impl = impl
+        kw = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        self.register_state_dict_post_hook(_split_gate_up_state)
+        self.register_load_state_dict_pre_hook(_fuse_gate_up_state)
+
+    @classmethod
+    def from_hf(cls, mlp: nn.Module, dropout: float = 0.0, impl: str = "auto") -> "FusedSwiGLUMLP":
+        """Build from an HF MLP with ``gate_proj``, ``up_proj``, ``down_proj`` (Linear) and a SiLU act."""
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not isinstance(getattr(mlp, name, None), nn.Linear):
+                raise ValueError(f"FusedSwiGLUMLP.from_hf: {type(mlp).__name__} has no nn.Linear `{name}`")
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        bias = gate.bias is not None
+        fused = cls(gate.in_features, gate.out_features, bias=bias, dropout=dropout, impl=impl,
+                    device=gate.weight.device, dtype=gate.weight.dtype)
+        with torch.no_grad():
+            fused.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight], dim=0))
+            if bias:
+                fused.gate_up_proj.bias.copy_(torch.cat([gate.bias, up.bias], dim=0))
+        fused.down_proj = down
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = swiglu_dropout(gate_up, self.dropout if self.training else 0.0, impl=self.impl)
+        return self.down_proj(act)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}, impl={self.impl!r}"
+
+
+def _split_gate_up_state(module: FusedSwiGLUMLP, state_dict: dict, prefix: str, local_metadata) -> None:
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}gate_up_proj.{kind}", None)
+        if fused is None:
+            continue
+        gate, up = fused.chunk(2, dim=0)
+        state_dict[f"{prefix}gate_proj.{kind}"] = gate
+        state_dict[f"{prefix}up_proj.{kind}"] = up
+
+
+def _fuse_gate_up_state(module: FusedSwiGLUMLP, state_dict: dict, prefix: str, local_metadata, strict,
+                        missing_keys, unexpected_keys, error_msgs) -> None:
+    for kind in ("weight", "bias"):
+        gate_key, up_key = f"{prefix}gate_proj.{kind}", f"{prefix}up_proj.{kind}"
+        if gate_key in state_dict and up_key in state_dict:
+            state_dict[f"{prefix}gate_up_proj.{kind}"] = torch.cat(
+                [state_dict.pop(gate_key), state_dict.pop(up_key)], dim=0)
+        elif gate_key in state_dict or up_key in state_dict:
+            present = gate_key if gate_key in state_dict else up_key
+            error_msgs.append(f"FusedSwiGLUMLP: found {present} without its partner; a checkpoint needs both "
+                              f"{gate_key} and {up_key}, or the fused {prefix}gate_up_proj.{kind}")

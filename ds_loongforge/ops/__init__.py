@@ -1,0 +1,10 @@
+"""Functional ops: each an autograd op over compiled kernels, with its PyTorch reference beside it."""
+
+from ds_loongforge.ops._dispatch import IMPLS, set_strict_ops, strict_ops
+from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
+from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
+
+__all__ = [
+    "IMPLS", "set_strict_ops", "strict_ops", "fused_rmsnorm", "rmsnorm_reference", "philox_keep_mask",
+    "swiglu_dropout", "swiglu_reference",
+]

@@ -1,0 +1,85 @@
+"""Choosing an op's implementation: the compiled kernel for the tensor's device, or the reference.
+
+``impl="auto"`` loads the kernel for the tensor's device (building it on first use). When the build
+fails it warns once, naming the op and the fix, and the PyTorch reference runs instead; with strict
+ops (``LOONGFORGE_STRICT_OPS=1`` or ``"strict_ops": true`` in the config block) the failure is raised.
+``impl="cuda"`` / ``"cpu"`` demand that kernel and raise on failure; ``"reference"`` never compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+
+from ds_loongforge.op_builder import OpBuildError
+
+logger = logging.getLogger("ds_loongforge")
+
+IMPLS = ("auto", "cuda", "cpu", "reference")
+_STRICT_ENV = "LOONGFORGE_STRICT_OPS"
+
+_state_lock = threading.Lock()
+_strict_override: bool | None = None
+_unavailable: dict[str, OpBuildError] = {}
+
+
+def set_strict_ops(strict: bool | None) -> None:
+    """Make a failed op build an error (True), a warning with fallback (False), or follow the env (None)."""
+    global _strict_override
+    _strict_override = strict
+
+
+def strict_ops() -> bool:
+    if _strict_override is not None:
+        return _strict_override
+    return os.environ.get(_STRICT_ENV, "0").lower() in ("1", "true", "yes")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+
+
+def kernel_for(op: str, builders: dict, device_type: str, impl: str):
+    """The compiled module for ``device_type`` ('cpu'/'cuda'), or None to run the reference.
+
+    ``builders`` maps a device type to the builder class of that op's kernel.
+    """
+    check_impl(impl)
+    if impl == "reference":
+        return None
+    if impl != "auto" and impl != device_type:
+        raise ValueError(f"{op}: impl={impl!r} was requested but the tensors are on {device_type!r}; "
+                         f"move them to {impl!r} or use impl='auto'")
+    builder_cls = builders.get(device_type)
+    if builder_cls is None:
+        if impl == "auto":
+            return None
+        raise ValueError(f"{op}: no kernel for device type {device_type!r}")
+    key = builder_cls.NAME
+    failed = _unavailable.get(key)
+    if failed is None:
+        try:
+            return builder_cls().load()
+        except OpBuildError as err:
+            with _state_lock:
+                first = key not in _unavailable
+                _unavailable[key] = err
+            failed = err
+            if impl == "auto" and not strict_ops() and first:
+                message = (f"[LoongForge] {op} kernel '{key}' is unavailable, using the PyTorch reference "
+                           f"(slower, same results): {err.reason}. Fix: {err.fix}. "
+                           f"Set {_STRICT_ENV}=1 or \"strict_ops\": true to make this an error.")
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                logger.warning(message)
+    if impl == "auto" and not strict_ops():
+        return None
+    raise failed
+
+
+def forget_failures() -> None:
+    """Retry builds that failed before (after the user fixed the environment)."""
+    with _state_lock:
+        _unavailable.clear()

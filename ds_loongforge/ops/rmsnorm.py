@@ -1,0 +1,83 @@
+"""Fused RMSNorm: the autograd op over the compiled kernels, and its plain-PyTorch reference.
+
+    y = x * rsqrt(mean(x^2, -1) + eps) * weight                        (fp32 arithmetic)
+    with residual: h = x + residual (in x's dtype); y = rmsnorm(h); returns (y, h)
+
+Shapes: x [..., H], weight [H] (x's dtype or float32), residual like x. The output has x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
+from ds_loongforge.ops._dispatch import kernel_for
+
+_BUILDERS = {"cuda": FusedRMSNormBuilder, "cpu": FusedRMSNormCPUBuilder}
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                      residual: torch.Tensor | None = None):
+    """Plain PyTorch with the kernel's semantics: fp32 math (fp64 for fp64 inputs), one rounding."""
+    h = x if residual is None else x + residual
+    acc = _compute_dtype(h.dtype)
+    hf = h.to(acc)
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+    y = y.to(h.dtype)
+    return y if residual is None else (y, h)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+class _FusedRMSNormFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps, kernel):
+        shape = x.shape
+        y, h, rstd = kernel.forward(_rows(x), None if residual is None else _rows(residual), weight, eps)
+        has_residual = residual is not None
+        ctx.save_for_backward(h if has_residual else _rows(x), rstd, weight)
+        ctx.kernel = kernel
+        ctx.has_residual = has_residual
+        ctx.shape = shape
+        if has_residual:
+            return y.view(shape), h.view(shape)
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, rstd, weight = ctx.saved_tensors
+        hidden = ctx.shape[-1]
+        dres = None if dh is None else dh.reshape(-1, hidden).contiguous()
+        dx, dw = ctx.kernel.backward(dy.reshape(-1, hidden).contiguous(), h, rstd, weight, dres)
+        dx = dx.view(ctx.shape)
+        return dx, dw, (dx if ctx.has_residual else None), None, None
+
+
+def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None, impl: str = "auto"):
+    """RMSNorm of the last dimension; with ``residual`` it returns ``(y, x + residual)``.
+
+    ``impl``: "auto" (kernel for the tensor's device, reference if it cannot be built), "cuda", "cpu",
+    or "reference".
+    """
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
+        raise ValueError(f"fused_rmsnorm: weight shape {tuple(weight.shape)} does not match the hidden size "
+                         f"{x.shape[-1]} of x {tuple(x.shape)}; weight must be [hidden]")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"fused_rmsnorm: residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    if eps < 0:
+        raise ValueError(f"fused_rmsnorm: eps must be >= 0, got {eps}")
+    kernel = None
+    if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
+    if kernel is None:
+        return rmsnorm_reference(x, weight, eps, residual)
+    return _FusedRMSNormFunction.apply(x, weight, residual, float(eps), kernel)

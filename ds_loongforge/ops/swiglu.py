@@ -1,0 +1,126 @@
+"""Fused SwiGLU + dropout on the concatenated gate/up projection, and its plain-PyTorch reference.
+
+    gate_up [..., 2I] = [gate | up]  ->  out [..., I] = dropout_p(silu(gate) * up)
+
+The dropout mask of flat output element e is bit (e % 4) of Philox4x32-10(counter=(e // 4, offset),
+key=seed), kept when the 32-bit word is below floor((1 - p) * 2^32). The CUDA kernel, the CPU kernel
+and :func:`philox_keep_mask` below compute the same mask, so every implementation agrees exactly for a
+given seed; backward regenerates it instead of storing it. ``p == 0`` draws no random numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
+from ds_loongforge.ops._dispatch import kernel_for
+
+_BUILDERS = {"cuda": FusedSwiGLUBuilder, "cpu": FusedSwiGLUCPUBuilder}
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_SEED_MAX = 2**63 - 1
+
+
+def keep_threshold(p: float) -> int:
+    t = (1.0 - p) * 4294967296.0
+    return _MASK32 if t >= 4294967295.0 else int(t)
+
+
+def _mulhilo(m: int, c: torch.Tensor):
+    """(hi, lo) 32-bit halves of m * c for uint32 values held in int64, without int64 overflow."""
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    c_hi, c_lo = c >> 16, c & 0xFFFF
+    low = c_lo * m_lo
+    mid = c_hi * m_lo + c_lo * m_hi
+    lo_sum = low + ((mid & 0xFFFF) << 16)
+    lo = lo_sum & _MASK32
+    hi = (c_hi * m_hi + (mid >> 16) + (lo_sum >> 32)) & _MASK32
+    return hi, lo
+
+
+def philox_keep_mask(numel: int, p: float, seed: int, offset: int = 0,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool keep-mask of ``numel`` flat elements, bit-identical to the kernels' mask."""
+    blocks = (numel + 3) // 4
+    idx = torch.arange(blocks, dtype=torch.int64, device=device)
+    c = [idx & _MASK32, idx >> 32, torch.full_like(idx, offset & _MASK32),
+         torch.full_like(idx, (offset >> 32) & _MASK32)]
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c[0])
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c[2])
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0 = (k0 + _PHILOX_W[0]) & _MASK32
+        k1 = (k1 + _PHILOX_W[1]) & _MASK32
+    words = torch.stack(c, dim=-1).reshape(-1)[:numel]
+    return words < keep_threshold(p)
+
+
+def _check_p(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"swiglu_dropout: p must be in [0, 1), got {p}")
+
+
+def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offset: int = 0) -> torch.Tensor:
+    """Plain PyTorch with the kernel's semantics (fp32 math, fp64 for fp64 inputs; same Philox mask)."""
+    _check_p(p)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension holds [gate | up] and must be even, got {gate_up.shape[-1]}")
+    acc = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
+    gate, up = gate_up.to(acc).chunk(2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up
+    if p > 0:
+        keep = philox_keep_mask(out.numel(), p, seed, offset, gate_up.device).view(out.shape)
+        out = torch.where(keep, out * (1.0 / (1.0 - p)), torch.zeros((), dtype=acc, device=out.device))
+    return out.to(gate_up.dtype)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+class _FusedSwiGLUFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, gate_up, p, seed, offset, kernel):
+        rows = _rows(gate_up)
+        out = kernel.forward(rows, p, seed, offset)
+        ctx.save_for_backward(rows)
+        ctx.args = (p, seed, offset, kernel, gate_up.shape)
+        return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (rows,) = ctx.saved_tensors
+        p, seed, offset, kernel, shape = ctx.args
+        dgate_up = kernel.backward(dout.reshape(rows.shape[0], -1).contiguous(), rows, p, seed, offset)
+        return dgate_up.view(shape), None, None, None, None
+
+
+def draw_seed() -> int:
+    """A dropout seed from torch's default CPU generator (follows torch.manual_seed; no device sync)."""
+    return int(torch.randint(0, _SEED_MAX, (1,), dtype=torch.int64).item())
+
+
+def swiglu_dropout(gate_up: torch.Tensor, p: float = 0.0, seed: int | None = None, offset: int = 0,
+                   impl: str = "auto") -> torch.Tensor:
+    """``dropout_p(silu(gate) * up)`` for ``gate_up = [gate | up]`` along the last dimension.
+
+    ``seed=None`` draws one from torch's generator when ``p > 0``; a given seed reproduces the mask.
+    """
+    _check_p(p)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_dropout: the last dimension holds [gate | up] and must be even, "
+                         f"got shape {tuple(gate_up.shape)}")
+    if seed is None:
+        seed = draw_seed() if p > 0 else 0
+    if not 0 <= seed <= _SEED_MAX or not 0 <= offset <= _SEED_MAX:
+        raise ValueError(f"swiglu_dropout: seed and offset must be in [0, 2^63), got seed={seed} offset={offset}")
+    kernel = None
+    if impl != "auto" or gate_up.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        kernel = kernel_for("swiglu_dropout", _BUILDERS, gate_up.device.type, impl)
+    if kernel is None:
+        return swiglu_reference(gate_up, p, seed, offset)
+    return _FusedSwiGLUFunction.apply(gate_up, float(p), int(seed), int(offset), kernel)

@@ -1,0 +1,258 @@
+"""Shared base of the ds_loongforge op builders, on top of DeepSpeed's OpBuilder classes.
+
+DeepSpeed's own ``load()`` only knows DeepSpeed's ops (it looks them up in
+``deepspeed.git_version_info.installed_ops``), so each of our builders adds:
+
+* absolute source paths under ``csrc/`` (found beside this package in a checkout, or in the
+  installed ``ds_loongforge/csrc`` package data);
+* ``load()``: import the module that ``LF_BUILD_OPS=1 pip install .`` prebuilt into
+  ``ds_loongforge._ops``, else JIT-compile it with ninja (cached by torch under
+  ``TORCH_EXTENSIONS_DIR``);
+* a CUDA JIT build that does not depend on a GPU being visible, so CI can compile CUDA ops on a
+  CPU-only machine (DeepSpeed's ``jit_load`` silently switches to a CPU build there);
+* :class:`OpBuildError`, naming the op, the last compiler lines and the likely fix.
+
+Compatibility checks never initialise CUDA, so importing a builder is always safe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder, installed_cuda_version
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+PREBUILT_PACKAGE = "ds_loongforge._ops"
+_LAST_COMPILER_LINES = 25
+
+
+class OpBuildError(RuntimeError):
+    """An op could not be built or loaded; the message says which op, why, and how to fix it."""
+
+    def __init__(self, op_name: str, reason: str, fix: str, compiler_tail: str = ""):
+        self.op_name = op_name
+        self.reason = reason
+        self.fix = fix
+        self.compiler_tail = compiler_tail
+        message = f"ds_loongforge op '{op_name}' could not be built: {reason}\n  fix: {fix}"
+        if compiler_tail:
+            message += f"\n  last compiler lines:\n{compiler_tail}"
+        super().__init__(message)
+
+
+def csrc_root() -> Path:
+    """Directory holding the C++/CUDA sources: ``<checkout>/csrc`` or ``ds_loongforge/csrc``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "csrc", here.parent / "ds_loongforge" / "csrc"):
+        if (candidate / "includes" / "lf_common.h").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"ds_loongforge C++ sources not found next to {here} (looked for csrc/includes/lf_common.h); "
+        "reinstall the package so its csrc/ package data is present")
+
+
+def _tail(text: str, n: int = _LAST_COMPILER_LINES) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join("    " + line for line in lines[-n:])
+
+
+def _likely_fix(output: str, is_cuda: bool) -> str:
+    low = output.lower()
+    if "ninja is required" in low or "ninja: not found" in low or "ninja: command not found" in low:
+        return "install ninja (pip install ninja) and make sure `ninja --version` runs"
+    if is_cuda and ("nvcc: not found" in low or "bin/nvcc: no such file" in low):
+        return "set CUDA_HOME to a CUDA toolkit with bin/nvcc matching torch.version.cuda"
+    if "fatal error:" in low and "no such file or directory" in low:
+        return ("a header is missing: install the development headers it names (for CUDA headers, the full "
+                "CUDA toolkit under CUDA_HOME; for Python.h, the python3-dev package)")
+    if "unsupported gpu architecture" in low or "unsupported arch" in low:
+        return "set TORCH_CUDA_ARCH_LIST to architectures your nvcc supports (e.g. 9.0 for H100/H200)"
+    if "permission denied" in low:
+        return "set TORCH_EXTENSIONS_DIR to a writable directory"
+    if "undefined symbol" in low:
+        return ("the module was built against another torch version: remove the stale build "
+                "(TORCH_EXTENSIONS_DIR or reinstall with LF_BUILD_OPS=1) and rebuild")
+    return ("read the compiler lines below; check that the C++ compiler (c++ --version), CUDA_HOME/nvcc "
+            "and torch.version.cuda agree, then retry (LOONGFORGE_VERBOSE_BUILD=1 prints the full log)")
+
+
+class LoongForgeBuilderMixin:
+    """What every ds_loongforge builder shares. Subclasses set NAME, BUILD_VAR and SOURCES."""
+
+    NAME: str = ""
+    BUILD_VAR: str = ""
+    SOURCES: tuple[str, ...] = ()
+    _loaded: dict[str, object] = {}
+
+    def absolute_name(self) -> str:
+        return f"{PREBUILT_PACKAGE}.{self.NAME}"
+
+    def sources(self) -> list[str]:
+        root = csrc_root()
+        return [str(root / s) for s in self.SOURCES]
+
+    def include_paths(self) -> list[str]:
+        return [str(csrc_root() / "includes")]
+
+    @property
+    def is_cuda_op(self) -> bool:
+        return isinstance(self, CUDAOpBuilder)
+
+    def prebuilt_module(self):
+        """The module setup.py built, or None when it was not prebuilt."""
+        try:
+            return importlib.import_module(self.absolute_name())
+        except ModuleNotFoundError as err:
+            if err.name in (self.absolute_name(), PREBUILT_PACKAGE):
+                return None
+            raise
+        except ImportError as err:
+            raise OpBuildError(self.NAME, f"the prebuilt module failed to import ({err})",
+                               _likely_fix(str(err), self.is_cuda_op)) from err
+
+    def jit_cached(self) -> bool:
+        """True when a JIT build of this op already sits in torch's extension cache."""
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = Path(_get_build_directory(self.NAME, verbose=False))
+        return any(build_dir.glob(f"{self.NAME}*.so"))
+
+    def load(self, verbose: bool = False):
+        if self.NAME in LoongForgeBuilderMixin._loaded:
+            return LoongForgeBuilderMixin._loaded[self.NAME]
+        module = self.prebuilt_module()
+        if module is None:
+            module = self.jit_build(verbose=verbose)
+        LoongForgeBuilderMixin._loaded[self.NAME] = module
+        return module
+
+    def compatibility_problem(self) -> str | None:
+        """Why this op cannot be built here, or None. Never initialises CUDA."""
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            return "no C++ compiler found (install g++ or set CXX)"
+        return None
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        problem = self.compatibility_problem()
+        if problem is not None:
+            self.error_log = problem
+            if verbose:
+                self.warning(f"{self.NAME}: {problem}")
+        return problem is None
+
+    def jit_build(self, verbose: bool = False):
+        """Compile with ninja into torch's extension cache and import the result."""
+        problem = self.compatibility_problem()
+        if problem is not None:
+            raise OpBuildError(self.NAME, problem, _fix_for_problem(problem))
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        try:
+            verify_ninja_availability()
+        except RuntimeError as err:
+            raise OpBuildError(self.NAME, "ninja is not available",
+                               "install ninja (pip install ninja) and make sure `ninja --version` runs") from err
+        verbose = verbose or os.environ.get("LOONGFORGE_VERBOSE_BUILD") == "1"
+        saved_jit_mode = self.jit_mode
+        saved_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        self.jit_mode = True
+        self.build_for_cpu = not self.is_cuda_op
+        start = time.time()
+        try:
+            if self.is_cuda_op:
+                self._jit_arch_list = (saved_arch or "").strip() or None
+            cxx_args = self.strip_empty_entries(self.cxx_args())
+            nvcc_args = self.strip_empty_entries(self.nvcc_args()) if self.is_cuda_op else []
+            if self.is_cuda_op and getattr(self, "enable_bf16", False):
+                cxx_args.append("-DBF16_AVAILABLE")
+                nvcc_args.append("-DBF16_AVAILABLE")
+            module = load(name=self.NAME,
+                          sources=self.sources(),
+                          extra_include_paths=self.include_paths(),
+                          extra_cflags=cxx_args,
+                          extra_cuda_cflags=nvcc_args,
+                          extra_ldflags=self.strip_empty_entries(self.extra_ldflags()),
+                          with_cuda=self.is_cuda_op,
+                          verbose=verbose)
+        except OpBuildError:
+            raise
+        except (RuntimeError, OSError, subprocess.CalledProcessError, ImportError) as err:
+            output = str(err)
+            raise OpBuildError(self.NAME, f"{type(err).__name__} during the JIT build",
+                               _likely_fix(output, self.is_cuda_op), _tail(output)) from err
+        finally:
+            self.jit_mode = saved_jit_mode
+            self._jit_arch_list = None
+            if saved_arch is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch
+        self.last_build_seconds = time.time() - start
+        return module
+
+
+def _fix_for_problem(problem: str) -> str:
+    if "CUDA_HOME" in problem or "nvcc" in problem:
+        return ("install a CUDA toolkit whose version matches torch.version.cuda and set CUDA_HOME "
+                "(e.g. CUDA_HOME=/usr/local/cuda)")
+    if "CUDA build of torch" in problem:
+        return "install a CUDA build of torch (the CPU op still works on CPU tensors)"
+    if "compiler" in problem:
+        return "install g++ (apt-get install g++) or point CXX at a C++17/20 compiler"
+    return "see the reason above"
+
+
+class LFCPUOpBuilder(LoongForgeBuilderMixin, CPUOpBuilder):
+    """A host op: the CPU kernels, compiled with OpenMP and the host's vector width."""
+
+    def __init__(self):
+        CPUOpBuilder.__init__(self, name=self.NAME)
+
+    def cxx_args(self):
+        return super().cxx_args() + ["-std=c++20"]
+
+
+class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
+    """A CUDA op. Compiles wherever torch is a CUDA build and nvcc matches it; runs only on a GPU."""
+
+    def __init__(self):
+        CUDAOpBuilder.__init__(self, name=self.NAME)
+
+    def compatibility_problem(self) -> str | None:
+        problem = super().compatibility_problem()
+        if problem is not None:
+            return problem
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is not a CUDA build of torch"
+        if CUDA_HOME is None:
+            return "CUDA_HOME is not set and no nvcc was found on PATH"
+        try:
+            major, minor = installed_cuda_version()
+        except Exception as err:  # DeepSpeed raises its own exception types here
+            return f"nvcc under CUDA_HOME={CUDA_HOME} did not run ({err})"
+        torch_major = int(torch.version.cuda.split(".")[0])
+        if major != torch_major:
+            return (f"nvcc is CUDA {major}.{minor} but torch was built with CUDA {torch.version.cuda} "
+                    "(CUDA_HOME must match torch's major version)")
+        return None
+
+    def cxx_args(self):
+        return super().cxx_args() + ["-DLF_WITH_CUDA"]
+
+    def nvcc_args(self):
+        return super().nvcc_args() + ["-DLF_WITH_CUDA", "--expt-relaxed-constexpr"]
+
+
+def all_builders() -> list[OpBuilder]:
+    from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
+    from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
+
+    return [FusedRMSNormBuilder(), FusedRMSNormCPUBuilder(), FusedSwiGLUBuilder(), FusedSwiGLUCPUBuilder()]

@@ -1,0 +1,89 @@
+"""ds_loongforge: fast Mixture-of-Experts training as a DeepSpeed integration.
+
+    pip install .                      # ops are JIT-compiled with ninja on first use
+    LF_BUILD_OPS=1 pip install .       # prebuild every compatible op
+    LF_BUILD_RMSNORM=1 pip install .   # prebuild one op family (LF_BUILD_<OP>, see op_builder/)
+
+Prebuilding needs torch, DeepSpeed and pydantic already installed in the build environment
+(pip install --no-build-isolation), like DeepSpeed's own DS_BUILD_OPS.
+"""
+
+import os
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+PACKAGES = [
+    "ds_loongforge",
+    "ds_loongforge.ops",
+    "ds_loongforge.modules",
+    "ds_loongforge._ops",
+    "ds_loongforge.op_builder",
+    "ds_loongforge.csrc",
+]
+PACKAGE_DIR = {"ds_loongforge.op_builder": "op_builder", "ds_loongforge.csrc": "csrc"}
+
+
+def prebuilt_extensions():
+    """Extensions for LF_BUILD_OPS=1 / LF_BUILD_<OP>=1; [] (pure JIT install) otherwise."""
+    build_all = os.environ.get("LF_BUILD_OPS") == "1"
+    sys.path.insert(0, ROOT)
+    try:
+        from op_builder.builder import all_builders
+    except ImportError as err:
+        if build_all or any(k.startswith("LF_BUILD_") and v == "1" for k, v in os.environ.items()):
+            raise RuntimeError(
+                f"prebuilding ds_loongforge ops needs torch and deepspeed in the build environment ({err}); "
+                "install them first and use pip install --no-build-isolation") from err
+        return [], {}
+    finally:
+        sys.path.pop(0)
+    extensions = []
+    for builder in all_builders():
+        if not (build_all or os.environ.get(builder.BUILD_VAR) == "1"):
+            continue
+        if not builder.is_compatible(verbose=True):
+            print(f"[ds_loongforge] not prebuilding {builder.NAME}: {builder.error_log}")
+            continue
+        ext = builder.builder()
+        ext.sources = [os.path.relpath(s, ROOT) for s in ext.sources]
+        ext.include_dirs = [os.path.relpath(d, ROOT) if d.startswith(ROOT) else d for d in ext.include_dirs]
+        extensions.append(ext)
+        print(f"[ds_loongforge] prebuilding {builder.NAME}")
+    if not extensions:
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension
+
+    return extensions, {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = prebuilt_extensions()
+
+setup(
+    name="ds_loongforge",
+    version="0.1.0",
+    description="DeepSpeed integration for fast Mixture-of-Experts training: fused ops, expert-masked MoE, "
+    "fused AdamW+clip, expert-aware sampling",
+    python_requires=">=3.10",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data={"ds_loongforge.csrc": ["*/*.h", "*/*.cuh", "*/*.cu", "*/*.cpp"]},
+    install_requires=[
+        "torch>=2.9",
+        "deepspeed>=0.19.8,<0.20",
+        "transformers>=5.0",
+        "datasets",
+        "ninja",
+        "numpy",
+        "scikit-learn",
+        "pydantic>=2",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
+    entry_points={"console_scripts": ["loongforge_report=ds_loongforge.report:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
