@@ -49,7 +49,6 @@ def prebuilt_extensions():
             continue
         ext = builder.builder()
         ext.sources = [os.path.relpath(s, ROOT) for s in ext.sources]
-        ext.include_dirs = [os.path.relpath(d, ROOT) if d.startswith(ROOT) else d for d in ext.include_dirs]
         extensions.append(ext)
         print(f"[ds_loongforge] prebuilding {builder.NAME}")
     if not extensions:

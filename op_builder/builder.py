@@ -142,7 +142,7 @@ class LoongForgeBuilderMixin:
         if problem is not None:
             self.error_log = problem
             if verbose:
-                self.warning(f"{self.NAME}: {problem}")
+                self.warning(problem)
         return problem is None
 
     def jit_build(self, verbose: bool = False):
@@ -157,6 +157,14 @@ class LoongForgeBuilderMixin:
         except RuntimeError as err:
             raise OpBuildError(self.NAME, "ninja is not available",
                                "install ninja (pip install ninja) and make sure `ninja --version` runs") from err
+        if self.is_cuda_op and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise OpBuildError(self.NAME, "no CUDA device is visible and TORCH_CUDA_ARCH_LIST is unset, so the "
+                                   "target GPU architecture is unknown",
+                                   "set TORCH_CUDA_ARCH_LIST to the GPU's compute capability (e.g. 9.0 for "
+                                   "H100/H200) to compile without a GPU")
         verbose = verbose or os.environ.get("LOONGFORGE_VERBOSE_BUILD") == "1"
         saved_jit_mode = self.jit_mode
         saved_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")

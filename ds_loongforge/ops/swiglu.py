@@ -39,13 +39,11 @@ def _mulhilo(m: int, c: torch.Tensor):
     return hi, lo
 
 
-def philox_keep_mask(numel: int, p: float, seed: int, offset: int = 0,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool keep-mask of ``numel`` flat elements, bit-identical to the kernels' mask."""
-    blocks = (numel + 3) // 4
-    idx = torch.arange(blocks, dtype=torch.int64, device=device)
-    c = [idx & _MASK32, idx >> 32, torch.full_like(idx, offset & _MASK32),
-         torch.full_like(idx, (offset >> 32) & _MASK32)]
+def philox_words(counter: torch.Tensor, offset: int, seed: int) -> torch.Tensor:
+    """Philox4x32-10 words [n, 4] for 64-bit block counters (int64), as the kernels compute them:
+    counter = (block lo, block hi, offset lo, offset hi), key = (seed lo, seed hi)."""
+    c = [counter & _MASK32, (counter >> 32) & _MASK32, torch.full_like(counter, offset & _MASK32),
+         torch.full_like(counter, (offset >> 32) & _MASK32)]
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     for _ in range(10):
         hi0, lo0 = _mulhilo(_PHILOX_M[0], c[0])
@@ -53,7 +51,14 @@ def philox_keep_mask(numel: int, p: float, seed: int, offset: int = 0,
         c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
         k0 = (k0 + _PHILOX_W[0]) & _MASK32
         k1 = (k1 + _PHILOX_W[1]) & _MASK32
-    words = torch.stack(c, dim=-1).reshape(-1)[:numel]
+    return torch.stack(c, dim=-1)
+
+
+def philox_keep_mask(numel: int, p: float, seed: int, offset: int = 0,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool keep-mask of ``numel`` flat elements, bit-identical to the kernels' mask."""
+    blocks = torch.arange((numel + 3) // 4, dtype=torch.int64, device=device)
+    words = philox_words(blocks, offset, seed).reshape(-1)[:numel]
     return words < keep_threshold(p)
 
 

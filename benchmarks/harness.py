@@ -1,0 +1,131 @@
+"""One benchmark harness: timing with CUDA events, the measured copy-bandwidth ceiling, and results
+(JSON + markdown) under benchmarks/results/ with the GPU name, versions and git commit.
+
+Method (shared/BENCHMARKS.md): every variant runs in the same process and run; each repeat flushes
+the L2 cache first, then times one call between two CUDA events; the median of >= 50 repeats after
+warm-up is reported. Fwd+bwd is timed with torch.autograd.grad (no leaf .grad accumulation).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_FLUSH_BYTES = 512 * 1024 * 1024  # well above the H200's L2 (~60 MB)
+
+
+@dataclass
+class Row:
+    workload: str
+    variant: str
+    ms: float                      # median ms per call
+    ms_p10: float
+    ms_p90: float
+    bytes_moved: int               # minimum bytes the work must move (stated per workload)
+    gbps: float = 0.0
+    pct_of_copy: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def git_commit() -> str:
+    if os.environ.get("LF_COMMIT"):
+        return os.environ["LF_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=Path(__file__).resolve().parent, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "sm": f"{props.major}.{props.minor}",
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "deepspeed": _version("deepspeed"),
+        "liger_kernel": _version("liger-kernel"),
+        "transformers": _version("transformers"),
+        "commit": git_commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class Timer:
+    def __init__(self, warmup: int = 10, repeats: int = 100):
+        self.warmup = warmup
+        self.repeats = repeats
+        self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, float, float]:
+        """(median, p10, p90) milliseconds of fn() on the GPU, L2 flushed before each repeat."""
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
+        for i in range(self.repeats):
+            self._flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return statistics.median(times), times[len(times) // 10], times[(9 * len(times)) // 10]
+
+
+def measure_copy_bandwidth(timer: Timer, n_bytes: int = 2 * 1024**3) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(n_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _, _ = timer(lambda: dst.copy_(src))
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def finish_rows(rows: list[Row], copy_gbps: float) -> None:
+    for r in rows:
+        r.gbps = r.bytes_moved / (r.ms * 1e-3) / 1e9
+        r.pct_of_copy = 100.0 * r.gbps / copy_gbps
+
+
+def write_results(name: str, env: dict, ceilings: dict, rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
+    out_dir = Path(os.environ.get("LF_RESULTS_DIR", RESULTS_DIR))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{name}.json"
+    md_path = out_dir / f"{name}.md"
+    json_path.write_text(json.dumps({"env": env, "ceilings": ceilings, "rows": [asdict(r) for r in rows],
+                                     "notes": notes}, indent=2))
+    lines = [f"# {name}", "",
+             f"{env['gpu']} (sm_{env['sm'].replace('.', '')}, {env['sms']} SMs), torch {env['torch']}, CUDA {env['cuda']}, "
+             f"triton {env['triton']}, liger-kernel {env['liger_kernel']}, DeepSpeed {env['deepspeed']}, "
+             f"commit {env['commit'][:12]}, {env['date']}", "",
+             "Ceilings measured in this run: " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items()), "",
+             "| workload | variant | median ms | p10–p90 ms | GB/s | % of copy BW | note |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.workload} | {r.variant} | {r.ms:.4f} | {r.ms_p10:.4f}–{r.ms_p90:.4f} | {r.gbps:.0f} | "
+                     f"{r.pct_of_copy:.1f} | {r.note} |")
+    lines += [""] + [f"- {n}" for n in notes]
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path

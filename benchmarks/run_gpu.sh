@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, JIT-build the CUDA ops cold (timed) and cached (timed),
+# loongforge_report --verify, the GPU tests, and the benchmark. Everything lands in $OUT.
+#
+#   here:   see shared/BENCHMARKS.md to fill .whl/ (DeepSpeed, pydantic, hjson, liger-kernel wheels)
+#   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"])
+set -uo pipefail
+OUT=${OUT:-/tmp/lf_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+
+# cold JIT build of both CUDA ops (fresh extension dir), then a cached load in a fresh process
+export TORCH_EXTENSIONS_DIR=/tmp/lf_ext_cold
+rm -rf "$TORCH_EXTENSIONS_DIR"
+python3 - > "$OUT/build.json" <<'PY'
+import json, time
+t0 = time.time()
+from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedSwiGLUBuilder
+times = {}
+for b in (FusedRMSNormBuilder(), FusedSwiGLUBuilder()):
+    t = time.time(); b.load(); times[b.NAME] = round(time.time() - t, 2)
+print(json.dumps({"cold_jit_seconds": times, "cold_total_seconds": round(time.time() - t0, 2)}))
+PY
+python3 - >> "$OUT/build.json" <<'PY'
+import json, time
+t0 = time.time()
+from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedSwiGLUBuilder
+for b in (FusedRMSNormBuilder(), FusedSwiGLUBuilder()):
+    b.load()
+print(json.dumps({"cached_load_seconds_both_ops_incl_imports": round(time.time() - t0, 2)}))
+PY
+cat "$OUT/build.json"
+
+loongforge_report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
+python3 -m pytest tests -q -m "not slow" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60

@@ -1,0 +1,152 @@
+"""Numerical checks of the ops against fp64, shared by the tests and ``loongforge_report --verify``.
+
+The rule (as in flash-attention/apex): an op's error against the fp64 reference must be at most 2x the
+error of the same computation done by PyTorch in the op's dtype, with a floor of one unit of rounding
+at the reference's scale (so exact agreement of both never fails on a zero tolerance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
+from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
+
+
+def max_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    diff = (value.detach().double() - reference.detach().double()).abs()
+    if torch.isnan(diff).any():
+        return float("inf")
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def tolerance(torch_error: float, reference: torch.Tensor, dtype: torch.dtype) -> float:
+    """2x PyTorch's own error, floored at the rounding level of the dtype at the reference's scale.
+
+    The floor is half an ulp for 16-bit types (a correctly rounded result) and 8 ulp for float32, where
+    summation order alone moves results by a few ulp.
+    """
+    scale = float(reference.detach().abs().max()) if reference.numel() else 0.0
+    ulps = 8.0 if dtype == torch.float32 else 0.5
+    return max(2.0 * torch_error, ulps * torch.finfo(dtype).eps * scale)
+
+
+def hf_rmsnorm_eager(x, weight, eps, residual=None):
+    """transformers' LlamaRMSNorm computed by PyTorch in x's dtype (the baseline for the 2x rule)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * hf.to(h.dtype)
+    return y if residual is None else (y, h)
+
+
+def swiglu_eager(gate_up, p, seed, offset=0):
+    """Unfused PyTorch in gate_up's dtype with the same mask (the baseline for the 2x rule)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up
+    if p > 0:
+        keep = philox_keep_mask(out.numel(), p, seed, offset, out.device).view(out.shape)
+        out = out * keep.to(out.dtype) / (1.0 - p)
+    return out
+
+
+@dataclass
+class CheckResult:
+    name: str
+    error: float
+    tol: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tol
+
+    def describe(self) -> str:
+        verdict, relation = ("ok  ", "<=") if self.passed else ("FAIL", "> ")
+        return f"{verdict} {self.name:<52} max err {self.error:.3e} {relation} tol {self.tol:.3e}"
+
+
+def _grads(outputs, inputs, grad_outputs):
+    return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=False)
+
+
+def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl: str,
+                   residual: bool = False, weight_dtype: torch.dtype | None = None, eps: float = 1e-6,
+                   x: torch.Tensor | None = None, generator: torch.Generator | None = None) -> list[CheckResult]:
+    """Forward and all gradients of fused_rmsnorm(impl) vs fp64, each with its 2x-PyTorch tolerance.
+
+    ``x`` may be given (e.g. a non-contiguous view); otherwise it is drawn at random.
+    """
+    weight_dtype = weight_dtype or dtype
+    kw = {"device": device, "generator": generator}
+    if x is None:
+        x = torch.randn(rows, hidden, dtype=dtype, **kw)
+    w = (1.0 + 0.5 * torch.randn(hidden, dtype=torch.float32, **kw)).to(weight_dtype)
+    r = torch.randn(x.shape, dtype=dtype, **kw) if residual else None
+    dy = torch.randn(x.shape, dtype=dtype, **kw)
+    dh = torch.randn(x.shape, dtype=dtype, **kw) if residual else None
+    label = f"rmsnorm {impl} {str(dtype)[6:]} {tuple(x.shape)}{' +res' if residual else ''}"
+
+    def run(fn, cast):
+        xs = x.detach().to(cast).requires_grad_()
+        ws = w.detach().to(cast if cast == torch.float64 else weight_dtype).requires_grad_()
+        rs = r.detach().to(cast).requires_grad_() if residual else None
+        out = fn(xs, ws, rs)
+        outs = out if residual else (out,)
+        grads_out = (dy.to(cast), dh.to(cast)) if residual else (dy.to(cast),)
+        inputs = (xs, ws, rs) if residual else (xs, ws)
+        return [o.detach() for o in outs] + list(_grads(outs, inputs, grads_out))
+
+    ours = run(lambda a, b, c: fused_rmsnorm(a, b, eps, residual=c, impl=impl), dtype)
+    ref = run(lambda a, b, c: rmsnorm_reference(a, b, eps, residual=c), torch.float64)
+    eager = run(lambda a, b, c: hf_rmsnorm_eager(a, b, eps, residual=c), dtype)
+    names = ["y", "h", "dx", "dw", "dresidual"] if residual else ["y", "dx", "dw"]
+    return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, dtype))
+            for n, o, f, e in zip(names, ours, ref, eager)]
+
+
+def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: str, p: float = 0.0,
+                  seed: int = 1234, gate_up: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> list[CheckResult]:
+    """Forward and the gradient of swiglu_dropout(impl) vs fp64, each with its 2x-PyTorch tolerance."""
+    kw = {"device": device, "generator": generator}
+    if gate_up is None:
+        gate_up = 2.0 * torch.randn(rows, 2 * inter, dtype=dtype, **kw)
+    dout = torch.randn(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=dtype, **kw)
+    label = f"swiglu {impl} {str(dtype)[6:]} {tuple(gate_up.shape)} p={p}"
+
+    def run(fn, cast):
+        g = gate_up.detach().to(cast).requires_grad_()
+        out = fn(g)
+        (dg,) = _grads((out,), (g,), (dout.to(cast),))
+        return [out.detach(), dg]
+
+    ours = run(lambda g: swiglu_dropout(g, p, seed=seed, impl=impl), dtype)
+    ref = run(lambda g: swiglu_reference(g, p, seed=seed), torch.float64)
+    eager = run(lambda g: swiglu_eager(g, p, seed), dtype)
+    return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, dtype))
+            for n, o, f, e in zip(["out", "dgate_up"], ours, ref, eager)]
+
+
+def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]]:
+    """The quick checks ``loongforge_report --verify`` runs for one compiled op, one line each."""
+    impl = device
+    checks: list[Callable[[], CheckResult]] = []
+    if builder_name.startswith("lf_fused_rmsnorm"):
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.append(lambda d=dtype: _merge(rmsnorm_checks(257, 4096, d, device, impl)))
+            checks.append(lambda d=dtype: _merge(rmsnorm_checks(33, 2880, d, device, impl, residual=True)))
+    elif builder_name.startswith("lf_fused_swiglu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.append(lambda d=dtype: _merge(swiglu_checks(129, 1408, d, device, impl, p=0.0)))
+            checks.append(lambda d=dtype: _merge(swiglu_checks(65, 1000, d, device, impl, p=0.1)))
+    return checks
+
+
+def _merge(results: list[CheckResult]) -> CheckResult:
+    """One line per check group: the result with the largest error/tolerance ratio."""
+    worst = max(results, key=lambda r: r.error / r.tol if r.tol > 0 else (0.0 if r.error == 0 else float("inf")))
+    base = worst.name.rsplit(" ", 1)[0]
+    return CheckResult(f"{base} [worst: {worst.name.rsplit(' ', 1)[1]}]", worst.error, worst.tol)

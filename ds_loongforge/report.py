@@ -1,0 +1,162 @@
+"""``loongforge_report [--verify]``: what ds_report is for DeepSpeed, for the ds_loongforge ops.
+
+One row per op (compatible, prebuilt, JIT-cached) and the versions that decide whether ops build:
+torch, its CUDA, nvcc, NCCL, DeepSpeed, transformers, and the GPU architecture. ``--verify`` builds
+every compatible op, checks forward and backward against the fp64 reference on random data, prints the
+max error against its tolerance, and exits 1 on any failure. A CUDA op on a machine without a GPU is
+compiled (a build break fails) and its numerical check reported as not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch.utils.cpp_extension import get_default_build_root
+
+from ds_loongforge.op_builder import OpBuildError, all_builders
+from ds_loongforge.ops import numerics
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _nvcc_version() -> str:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "not found (CUDA_HOME unset)"
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    try:
+        out = subprocess.check_output([nvcc, "--version"], text=True, stderr=subprocess.STDOUT)
+    except (OSError, subprocess.CalledProcessError) as err:
+        return f"not runnable at {nvcc} ({err})"
+    release = [line for line in out.splitlines() if "release" in line]
+    return f"{release[-1].strip() if release else out.strip()} ({nvcc})"
+
+
+def environment() -> dict[str, str]:
+    nccl = "n/a"
+    if torch.cuda.is_available() or torch.version.cuda:
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (RuntimeError, AttributeError) as err:
+            nccl = f"unavailable ({err})"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        gpu = f"{torch.cuda.get_device_name()} (sm_{major}{minor}) x{torch.cuda.device_count()}"
+    else:
+        gpu = "none visible"
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch CUDA": str(torch.version.cuda),
+        "nvcc": _nvcc_version(),
+        "NCCL": nccl,
+        "DeepSpeed": _version("deepspeed"),
+        "transformers": _version("transformers"),
+        "ds_loongforge": _version("ds_loongforge"),
+        "GPU": gpu,
+        "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "(unset)"),
+        "torch extensions dir": get_default_build_root(),
+    }
+
+
+@dataclass
+class OpRow:
+    name: str
+    device: str
+    compatible: bool
+    problem: str | None
+    prebuilt: bool
+    jit_cached: bool
+
+
+def op_rows() -> list[OpRow]:
+    rows = []
+    for builder in all_builders():
+        problem = builder.compatibility_problem()
+        try:
+            prebuilt = builder.prebuilt_module() is not None
+        except OpBuildError:
+            prebuilt = False
+        rows.append(OpRow(builder.NAME, "cuda" if builder.is_cuda_op else "cpu", problem is None, problem,
+                          prebuilt, builder.jit_cached()))
+    return rows
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def print_report(rows: list[OpRow], env: dict[str, str]) -> None:
+    width = max(len(r.name) for r in rows) + 2
+    print("-" * 78)
+    print("ds_loongforge op report")
+    print("-" * 78)
+    print(f"{'op name':<{width}}{'device':<8}{'compatible':<12}{'prebuilt':<10}{'JIT-cached':<10}")
+    for r in rows:
+        print(f"{r.name:<{width}}{r.device:<8}{_yes(r.compatible):<12}{_yes(r.prebuilt):<10}{_yes(r.jit_cached):<10}")
+        if r.problem:
+            print(f"{'':<{width}}  why not: {r.problem}")
+    print("-" * 78)
+    for key, value in env.items():
+        print(f"{key + ':':<24}{value}")
+    print("-" * 78)
+
+
+def verify(rows: list[OpRow]) -> bool:
+    """Build every compatible op and check it; True when nothing failed."""
+    ok = True
+    print("verify: max error / tolerance (pass when error <= tolerance), fwd and every grad, fp64 reference")
+    for builder in all_builders():
+        row = next(r for r in rows if r.name == builder.NAME)
+        if not row.compatible:
+            print(f"  {builder.NAME:<24} not built: {row.problem}")
+            continue
+        device = "cuda" if builder.is_cuda_op else "cpu"
+        no_gpu = device == "cuda" and not torch.cuda.is_available()
+        if no_gpu and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            print(f"  {builder.NAME:<24} not built: no GPU visible; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) "
+                  "to compile-check it here")
+            continue
+        try:
+            builder.load()
+        except OpBuildError as err:
+            ok = False
+            print(f"  {builder.NAME:<24} BUILD FAILED\n{err}")
+            continue
+        if no_gpu:
+            print(f"  {builder.NAME:<24} built; numerical check not run: no CUDA device visible")
+            continue
+        for check in numerics.checks_for(builder.NAME, device):
+            result = check()
+            ok = ok and result.passed
+            print(f"  {builder.NAME:<24} {result.describe()}")
+    print("verify:", "PASSED" if ok else "FAILED")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loongforge_report", description=__doc__.splitlines()[0])
+    parser.add_argument("--verify", action="store_true",
+                        help="build every compatible op and check it against its reference; exit 1 on failure")
+    args = parser.parse_args(argv)
+    rows = op_rows()
+    print_report(rows, environment())
+    if args.verify:
+        return 0 if verify(rows) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Fused RMSNorm: output and every gradient against fp64, over shapes that hit each kernel path.
+
+Tolerance: at most 2x the error of PyTorch's own computation in the same dtype (HF LlamaRMSNorm in
+eager), floored at the dtype's rounding level (ds_loongforge.ops.numerics.tolerance).
+"""
+
+import pytest
+import torch
+
+from ds_loongforge.ops import fused_rmsnorm, rmsnorm_reference
+from ds_loongforge.ops.numerics import rmsnorm_checks
+from tests._params import DTYPES, IMPLS, assert_checks
+
+SHAPES = [
+    pytest.param(1, 4096, id="1row"),               # a single row: one block, no grid-stride loop
+    pytest.param(37, 1, id="hidden1"),              # hidden of one element
+    pytest.param(129, 8, id="hidden8"),             # one 16-byte vector per row: many rows per block (bf16)
+    pytest.param(513, 64, id="hidden64"),           # sub-warp rows (8 threads per row in bf16)
+    pytest.param(300, 2880, id="hidden2880"),       # gpt-oss size: 192 threads/row, 12 idle in the last warp
+    pytest.param(257, 4096, id="hidden4096"),       # Llama/Mixtral size
+    pytest.param(64, 5120, id="hidden5120"),
+    pytest.param(33, 7168, id="hidden7168"),        # DeepSeek-V3 size
+    pytest.param(17, 16384, id="hidden16384"),      # largest register-cached row in bf16
+    pytest.param(9, 4097, id="odd4097"),            # odd hidden: scalar streaming path
+    pytest.param(5, 40960, id="huge40960"),         # beyond the register path: vector streaming path
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", SHAPES)
+def test_rmsnorm_matches_fp64(impl, dtype, rows, hidden):
+    assert_checks(rmsnorm_checks(rows, hidden, dtype, impl, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(3, 64), (200, 2880), (65, 4096), (4, 4097), (3, 40960)])
+def test_rmsnorm_fused_residual_matches_fp64(impl, dtype, rows, hidden):
+    assert_checks(rmsnorm_checks(rows, hidden, dtype, impl, impl, residual=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_fp32_weight_with_half_input(impl, dtype):
+    assert_checks(rmsnorm_checks(65, 4096, dtype, impl, impl, weight_dtype=torch.float32))
+    assert_checks(rmsnorm_checks(3, 4097, dtype, impl, impl, weight_dtype=torch.float32, residual=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("view", ["row_strided", "misaligned", "transposed"])
+def test_rmsnorm_non_contiguous_input(impl, dtype, view):
+    rows, hidden = 70, 1024
+    base = torch.randn(rows, hidden + 16, dtype=dtype, device=impl)
+    if view == "row_strided":           # rows further apart than hidden: kernel reads with a row stride
+        x = base[:, :hidden]
+    elif view == "misaligned":          # row starts off 16-byte boundaries: scalar path
+        x = base[:, 1:hidden + 1]
+    else:                               # last dimension not unit-stride: copied to rows
+        x = torch.randn(hidden, rows, dtype=dtype, device=impl).t()
+    assert not x.is_contiguous()
+    assert_checks(rmsnorm_checks(rows, hidden, dtype, impl, impl, x=x))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rmsnorm_3d_input_and_eps(impl):
+    x = torch.randn(2, 5, 96, device=impl)
+    w = torch.randn(96, device=impl)
+    for eps in (0.0, 1e-6, 1.0):
+        y = fused_rmsnorm(x, w, eps, impl=impl)
+        assert y.shape == x.shape
+        torch.testing.assert_close(y, rmsnorm_reference(x, w, eps), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_million_rows_cuda(dtype):
+    # 2^20 + 3 rows: the forward grid is capped, so every block loops over many row groups
+    assert_checks(rmsnorm_checks((1 << 20) + 3, 64, dtype, "cuda", "cuda"))
+
+
+@pytest.mark.gpu
+def test_rmsnorm_cuda_is_deterministic():
+    x = torch.randn(4099, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    first = torch.autograd.grad(fused_rmsnorm(x, w, impl="cuda"), (x, w), dy)
+    second = torch.autograd.grad(fused_rmsnorm(x, w, impl="cuda"), (x, w), dy)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_cuda_equals_cpu_kernel(dtype):
+    x = torch.randn(33, 2880, dtype=dtype)
+    w = torch.randn(2880, dtype=dtype)
+    y_cpu = fused_rmsnorm(x, w, impl="cpu")
+    y_cuda = fused_rmsnorm(x.cuda(), w.cuda(), impl="cuda").cpu()
+    # same fp32 formula; only summation order differs, so at most one rounding step apart
+    torch.testing.assert_close(y_cuda, y_cpu, rtol=torch.finfo(dtype).eps * 2, atol=torch.finfo(dtype).eps * 4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rmsnorm_rejects_bad_input(impl):
+    x = torch.randn(4, 64, device=impl)
+    with pytest.raises(ValueError, match="weight shape"):
+        fused_rmsnorm(x, torch.ones(65, device=impl), impl=impl)
+    with pytest.raises(ValueError, match="residual shape"):
+        fused_rmsnorm(x, torch.ones(64, device=impl), residual=torch.randn(4, 63, device=impl), impl=impl)
+    with pytest.raises(ValueError, match="eps"):
+        fused_rmsnorm(x, torch.ones(64, device=impl), eps=-1.0, impl=impl)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16, got Double"):
+        fused_rmsnorm(x.double(), torch.ones(64, device=impl, dtype=torch.float64), impl=impl)
+    with pytest.raises(RuntimeError, match="weight dtype"):
+        fused_rmsnorm(x.bfloat16(), torch.ones(64, device=impl, dtype=torch.float16), impl=impl)
+
+
+def test_rmsnorm_empty_input():
+    x = torch.randn(0, 64, requires_grad=True)
+    w = torch.ones(64, requires_grad=True)
+    y = fused_rmsnorm(x, w, impl="cpu")
+    assert y.shape == (0, 64)
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert dx.shape == (0, 64) and torch.equal(dw, torch.zeros(64))

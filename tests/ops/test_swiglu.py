@@ -1,0 +1,143 @@
+"""Fused SwiGLU + dropout on the concatenated gate_up tensor: values and gradients against fp64, the
+dropout mask (keep rate, determinism by seed, regeneration in backward, agreement of every
+implementation), and the p == 0 path."""
+
+import math
+
+import pytest
+import torch
+
+from ds_loongforge.ops import philox_keep_mask, swiglu_dropout, swiglu_reference
+from ds_loongforge.ops.swiglu import philox_words
+from ds_loongforge.ops.numerics import swiglu_checks
+from tests._params import DTYPES, IMPLS, assert_checks
+
+SHAPES = [
+    pytest.param(1, 8, id="1row"),                  # one row, one vector
+    pytest.param(3, 1, id="inter1"),                # I=1: scalar path, gate and up adjacent
+    pytest.param(129, 1408, id="inter1408"),        # Qwen-MoE expert size
+    pytest.param(64, 14336, id="inter14336"),       # Mixtral size
+    pytest.param(31, 1001, id="odd1001"),           # odd I: scalar path, Philox blocks straddle rows
+    pytest.param(1000, 12, id="inter12"),           # I not a multiple of the bf16 vector (8)
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+@pytest.mark.parametrize("rows,inter", SHAPES)
+def test_swiglu_matches_fp64(impl, dtype, p, rows, inter):
+    assert_checks(swiglu_checks(rows, inter, dtype, impl, impl, p=p, seed=int(torch.randint(0, 2**62, ()))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("view", ["row_strided", "misaligned"])
+def test_swiglu_non_contiguous_input(impl, view):
+    rows, inter = 50, 256
+    base = 2 * torch.randn(rows, 2 * inter + 16, dtype=torch.bfloat16, device=impl)
+    gate_up = base[:, :2 * inter] if view == "row_strided" else base[:, 1:2 * inter + 1]
+    assert not gate_up.is_contiguous()
+    assert_checks(swiglu_checks(rows, inter, torch.bfloat16, impl, impl, p=0.2, gate_up=gate_up))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_swiglu_3d_input(impl):
+    gate_up = torch.randn(2, 7, 2 * 96, device=impl)
+    out = swiglu_dropout(gate_up, 0.25, seed=5, impl=impl)
+    assert out.shape == (2, 7, 96)
+    torch.testing.assert_close(out, swiglu_reference(gate_up, 0.25, seed=5), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keep_rate(impl, p):
+    n = 1 << 20
+    gate_up = torch.ones(n // 1024, 2 * 1024, device=impl)
+    kept = (swiglu_dropout(gate_up, p, seed=int(torch.randint(0, 2**62, ())), impl=impl) != 0).double().mean()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(float(kept) - (1 - p)) < 6 * sigma, f"keep rate {float(kept)} vs {1 - p} (6 sigma = {6 * sigma})"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dropout_scales_kept_values_and_is_unbiased(impl):
+    gate_up = torch.randn(512, 2 * 512, device=impl, dtype=torch.float64).float()
+    plain = swiglu_dropout(gate_up, 0.0, impl=impl)
+    dropped = swiglu_dropout(gate_up, 0.3, seed=11, impl=impl)
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], plain[kept] / 0.7, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dropout_seed_determinism(impl):
+    gate_up = torch.randn(64, 2 * 300, device=impl)
+    a = swiglu_dropout(gate_up, 0.4, seed=7, impl=impl)
+    b = swiglu_dropout(gate_up, 0.4, seed=7, impl=impl)
+    c = swiglu_dropout(gate_up, 0.4, seed=8, impl=impl)
+    d = swiglu_dropout(gate_up, 0.4, seed=7, offset=1, impl=impl)
+    assert torch.equal(a, b)
+    assert not torch.equal(a != 0, c != 0)
+    assert not torch.equal(a != 0, d != 0)
+    torch.manual_seed(3)
+    e = swiglu_dropout(gate_up, 0.4, impl=impl)
+    torch.manual_seed(3)
+    f = swiglu_dropout(gate_up, 0.4, impl=impl)
+    assert torch.equal(e, f), "seed=None must follow torch.manual_seed"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_backward_regenerates_the_forward_mask(impl):
+    gate_up = torch.randn(40, 2 * 200, device=impl, requires_grad=True)
+    out = swiglu_dropout(gate_up, 0.5, seed=99, impl=impl)
+    (grad,) = torch.autograd.grad(out, gate_up, torch.ones_like(out))
+    dropped = out == 0
+    gate_grad, up_grad = grad.chunk(2, dim=-1)
+    assert dropped.any()
+    assert torch.all(gate_grad[dropped] == 0) and torch.all(up_grad[dropped] == 0)
+    assert torch.all(up_grad[~dropped] != 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_p0_is_exactly_silu_times_up_in_fp32(impl, dtype):
+    gate_up = torch.randn(33, 2 * 264, device=impl, dtype=dtype)
+    out = swiglu_dropout(gate_up, 0.0, impl=impl)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (gate * torch.sigmoid(gate) * up).to(dtype)
+    # one rounding of the fp32 value; the only freedom is the fast exp in the sigmoid
+    torch.testing.assert_close(out, expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
+    assert torch.equal(out, swiglu_dropout(gate_up, 0.0, seed=123, impl=impl)), "p=0 must ignore the seed"
+
+
+def test_kernel_masks_equal_the_reference_mask():
+    n_rows, inter = 37, 77          # 2849 elements: Philox blocks straddle rows
+    gate_up = torch.cat([torch.full((n_rows, inter), 30.0), torch.ones(n_rows, inter)], dim=1)  # silu(30) * 1 ~ 30, never 0
+    keep = swiglu_dropout(gate_up, 0.37, seed=2**40 + 17, offset=5, impl="cpu") != 0
+    expected = philox_keep_mask(n_rows * inter, 0.37, 2**40 + 17, 5).view(n_rows, inter)
+    assert torch.equal(keep, expected)
+
+
+def test_philox_matches_known_answer():
+    # Philox4x32-10 known-answer vector of Random123 (counter = 0, key = 0)
+    words = philox_words(torch.zeros(1, dtype=torch.int64), offset=0, seed=0)
+    assert [int(w) for w in words[0]] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter", [1001, 14336])
+def test_cuda_mask_equals_cpu_mask(inter):
+    gate_up = torch.cat([torch.full((17, inter), 30.0), torch.ones(17, inter)], dim=1)
+    cpu = swiglu_dropout(gate_up, 0.3, seed=31337, impl="cpu") != 0
+    cuda = swiglu_dropout(gate_up.cuda(), 0.3, seed=31337, impl="cuda").cpu() != 0
+    assert torch.equal(cpu, cuda)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_swiglu_rejects_bad_input(impl):
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\), got 1.0"):
+        swiglu_dropout(torch.randn(2, 8, device=impl), 1.0, impl=impl)
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\), got -0.1"):
+        swiglu_dropout(torch.randn(2, 8, device=impl), -0.1, impl=impl)
+    with pytest.raises(ValueError, match="must be even"):
+        swiglu_dropout(torch.randn(2, 7, device=impl), 0.0, impl=impl)
+    with pytest.raises(ValueError, match="seed and offset"):
+        swiglu_dropout(torch.randn(2, 8, device=impl), 0.1, seed=-1, impl=impl)

@@ -1,0 +1,47 @@
+"""The "loongforge" config block and loongforge_report."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ds_loongforge import report
+from ds_loongforge.config import LoongForgeConfigError, parse_config
+from ds_loongforge.ops.numerics import CheckResult
+
+
+def test_absent_block_is_disabled():
+    cfg = parse_config({"train_batch_size": 8})
+    assert cfg.enabled is False and cfg.strict_ops is False and cfg.fused_kernels.rmsnorm is True
+
+
+def test_unknown_key_names_key_and_value():
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.fused_kernel = \{'rmsnorm': True\}.*Extra inputs"):
+        parse_config({"loongforge": {"fused_kernel": {"rmsnorm": True}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.fused_kernels\.swiglu = 'maybe'"):
+        parse_config({"loongforge": {"fused_kernels": {"swiglu": "maybe"}}})
+    with pytest.raises(LoongForgeConfigError, match="must be a JSON object"):
+        parse_config({"loongforge": True})
+
+
+def test_report_lists_every_op_and_versions():
+    out = subprocess.run([sys.executable, "-m", "ds_loongforge.report"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for name in ("lf_fused_rmsnorm", "lf_fused_rmsnorm_cpu", "lf_fused_swiglu", "lf_fused_swiglu_cpu"):
+        assert name in out.stdout
+    for key in ("torch:", "torch CUDA:", "nvcc:", "NCCL:", "DeepSpeed:", "transformers:", "GPU:"):
+        assert key in out.stdout
+
+
+def test_report_verify_passes_here():
+    out = subprocess.run([sys.executable, "-m", "ds_loongforge.report", "--verify"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "verify: PASSED" in out.stdout
+    assert "lf_fused_rmsnorm_cpu     ok" in out.stdout and "lf_fused_swiglu_cpu      ok" in out.stdout
+
+
+def test_report_verify_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
+    monkeypatch.setattr(report.numerics, "checks_for",
+                        lambda name, device: [lambda: CheckResult(f"{name} planted failure", 1.0, 0.5)])
+    assert report.main(["--verify"]) == 1
+    assert "FAIL" in capsys.readouterr().out

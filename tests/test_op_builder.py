@@ -1,0 +1,194 @@
+"""The op builders: names, paths, prebuilt import, JIT build, failure messages, fallback and strict mode."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_loongforge
+from ds_loongforge.op_builder import (FusedRMSNormBuilder, FusedRMSNormCPUBuilder, OpBuildError, all_builders,
+                                      csrc_root)
+from ds_loongforge.op_builder.builder import LFCPUOpBuilder, LoongForgeBuilderMixin
+from ds_loongforge.ops import _dispatch, fused_rmsnorm, rmsnorm_reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_builder_names_are_unique_and_paths_absolute():
+    builders = all_builders()
+    names = [b.NAME for b in builders]
+    assert len(set(names)) == len(names)
+    assert all(n.startswith("lf_") for n in names), "our NAMEs must not collide with DeepSpeed's ops"
+    for b in builders:
+        assert b.absolute_name() == f"ds_loongforge._ops.{b.NAME}"
+        assert b.BUILD_VAR.startswith("LF_BUILD_")
+        for path in b.sources() + b.include_paths():
+            assert os.path.isabs(path) and os.path.exists(path), path
+
+
+def test_compatibility_check_does_not_initialise_cuda():
+    code = ("import torch; from ds_loongforge.op_builder import all_builders; "
+            "[b.is_compatible() for b in all_builders()]; print(torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_cpu_op_jit_builds_loads_and_is_cached():
+    builder = FusedRMSNormCPUBuilder()
+    module = builder.load()
+    assert module.device == "cpu" and hasattr(module, "forward") and hasattr(module, "backward")
+    assert builder.jit_cached()
+    assert FusedRMSNormCPUBuilder().load() is module
+
+
+def _broken_builder(tmp_path, body):
+    source = tmp_path / "broken.cpp"
+    source.write_text(body)
+
+    class BrokenBuilder(LFCPUOpBuilder):
+        NAME = f"lf_test_broken_{uuid.uuid4().hex[:8]}"
+        BUILD_VAR = "LF_BUILD_TEST_BROKEN"
+        SOURCES = (str(source),)
+
+    return BrokenBuilder()
+
+
+def test_broken_source_gives_op_name_compiler_lines_and_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    builder = _broken_builder(tmp_path, "#include <torch/extension.h>\nint broken( { return 0; }\n")
+    with pytest.raises(OpBuildError) as info:
+        builder.load()
+    message = str(info.value)
+    assert builder.NAME in message
+    assert "error" in info.value.compiler_tail and "broken.cpp" in info.value.compiler_tail
+    assert "fix:" in message
+
+
+def test_missing_ninja_says_install_ninja(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    builder = _broken_builder(tmp_path, "")
+    with pytest.raises(OpBuildError, match="install ninja"):
+        builder.load()
+
+
+def test_cuda_op_without_gpu_or_arch_list_names_the_fix(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here, so the architecture is known")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    builder = FusedRMSNormBuilder()
+    if builder.compatibility_problem() is not None:
+        with pytest.raises(OpBuildError, match=builder.compatibility_problem()[:20]):
+            builder.jit_build()
+    else:
+        with pytest.raises(OpBuildError, match="TORCH_CUDA_ARCH_LIST"):
+            builder.jit_build()
+
+
+@pytest.fixture
+def failing_cpu_rmsnorm(monkeypatch):
+    def fail(self, verbose=False):
+        raise OpBuildError(self.NAME, "simulated compiler failure", "install the simulated compiler")
+
+    monkeypatch.setattr(FusedRMSNormCPUBuilder, "load", fail)
+    _dispatch.forget_failures()
+    yield
+    _dispatch.forget_failures()
+    _dispatch.set_strict_ops(None)
+
+
+def test_auto_falls_back_to_reference_with_one_warning(failing_cpu_rmsnorm, monkeypatch):
+    monkeypatch.delenv("LOONGFORGE_STRICT_OPS", raising=False)
+    x, w = torch.randn(4, 32), torch.randn(32)
+    with pytest.warns(RuntimeWarning, match="lf_fused_rmsnorm_cpu.*simulated compiler failure.*install the simulated"):
+        y = fused_rmsnorm(x, w)
+    torch.testing.assert_close(y, rmsnorm_reference(x, w))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fused_rmsnorm(x, w)  # a second call is silent
+    with pytest.raises(OpBuildError, match="simulated"):
+        fused_rmsnorm(x, w, impl="cpu")  # an explicit impl never falls back
+
+
+def test_strict_ops_env_makes_a_failed_build_an_error(failing_cpu_rmsnorm, monkeypatch):
+    monkeypatch.setenv("LOONGFORGE_STRICT_OPS", "1")
+    with pytest.raises(OpBuildError, match="simulated compiler failure"):
+        fused_rmsnorm(torch.randn(2, 8), torch.ones(8))
+
+
+def test_strict_ops_config_makes_a_failed_build_an_error(failing_cpu_rmsnorm, monkeypatch):
+    from ds_loongforge.config import apply_op_settings, parse_config
+
+    monkeypatch.delenv("LOONGFORGE_STRICT_OPS", raising=False)
+    apply_op_settings(parse_config({"loongforge": {"enabled": True, "strict_ops": True}}))
+    with pytest.raises(OpBuildError):
+        fused_rmsnorm(torch.randn(2, 8), torch.ones(8))
+
+
+def test_bad_impl_is_a_clear_error():
+    with pytest.raises(ValueError, match="impl='gpu' is not one of"):
+        fused_rmsnorm(torch.randn(2, 8), torch.ones(8), impl="gpu")
+    with pytest.raises(ValueError, match="tensors are on 'cpu'"):
+        fused_rmsnorm(torch.randn(2, 8), torch.ones(8), impl="cuda")
+
+
+@pytest.mark.slow
+def test_setup_py_prebuilds_an_op_that_load_imports(tmp_path):
+    """LF_BUILD_RMSNORM=1 through setup.py builds the op; load() then imports it without any JIT."""
+    env = dict(os.environ, LF_BUILD_RMSNORM="1", CUDA_HOME=str(tmp_path / "no-cuda"),
+               TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                    "--build-temp", str(tmp_path / "tmp")], cwd=REPO, env=env, check=True,
+                   capture_output=True, text=True)
+    built = list((tmp_path / "lib" / "ds_loongforge" / "_ops").glob("lf_fused_rmsnorm_cpu*.so"))
+    assert built, "setup.py did not produce the prebuilt module"
+    probe = textwrap.dedent(f"""
+        import ds_loongforge._ops as ops_pkg
+        ops_pkg.__path__.append({str(built[0].parent)!r})
+        from ds_loongforge.op_builder import FusedRMSNormCPUBuilder
+        def no_jit(self, verbose=False):
+            raise AssertionError("JIT build attempted although a prebuilt module exists")
+        FusedRMSNormCPUBuilder.jit_build = no_jit
+        module = FusedRMSNormCPUBuilder().load()
+        import torch
+        y, _, _ = module.forward(torch.ones(2, 8), None, torch.ones(8), 0.0)
+        assert torch.allclose(y, torch.ones(2, 8))
+        print(module.__file__)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1].startswith(str(built[0].parent))
+
+
+@pytest.mark.cuda_build
+def test_cuda_ops_compile():
+    """nvcc compiles the CUDA ops (they cannot run without a GPU; the gpu-marked tests run them)."""
+    missing = []
+    if torch.version.cuda is None:
+        missing.append("a CUDA build of torch (pip install torch==2.14.1)")
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        missing.append("TORCH_CUDA_ARCH_LIST (e.g. 9.0)")
+    problem = FusedRMSNormBuilder().compatibility_problem()
+    if problem:
+        missing.append(problem)
+    if missing:
+        reason = "cannot compile CUDA ops here: needs " + "; ".join(missing)
+        if os.environ.get("LOONGFORGE_REQUIRE_CUDA_BUILD") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from ds_loongforge.op_builder import FusedSwiGLUBuilder
+
+    for builder in (FusedRMSNormBuilder(), FusedSwiGLUBuilder()):
+        module = builder.load()
+        assert module.device == "cuda"
+        assert builder.jit_cached() or builder.prebuilt_module() is not None
