@@ -11,7 +11,9 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+# the device image has no network for an editable install's build deps: map op_builder/ into the package
+# the way setup.py installs it (ds_loongforge.op_builder), in this throw-away copy of the tree
+ln -sfn ../op_builder ds_loongforge/op_builder
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 
 # cold JIT build of both CUDA ops (fresh extension dir), then a cached load in a fresh process
@@ -36,6 +38,6 @@ print(json.dumps({"cached_load_seconds_both_ops_incl_imports": round(time.time()
 PY
 cat "$OUT/build.json"
 
-loongforge_report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
+python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
 python3 -m pytest tests -q -m "not slow" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
