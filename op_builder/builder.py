@@ -252,6 +252,14 @@ class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
                     "(CUDA_HOME must match torch's major version)")
         return None
 
+    def compute_capability_args(self, cross_compile_archs=None):
+        if self.jit_mode:
+            # torch's cpp_extension turns TORCH_CUDA_ARCH_LIST into -gencode flags itself (or probes the
+            # visible GPUs), and it understands arch-specific entries such as "9.0a" that DeepSpeed 0.19's
+            # parser rejects with a ValueError.
+            return []
+        return super().compute_capability_args(cross_compile_archs)
+
     def cxx_args(self):
         return super().cxx_args() + ["-DLF_WITH_CUDA"]
 
