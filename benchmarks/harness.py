@@ -2,7 +2,8 @@
 (JSON + markdown) under benchmarks/results/ with the GPU name, versions and git commit.
 
 Method (shared/BENCHMARKS.md): every variant runs in the same process and run; each repeat flushes
-the L2 cache first, then times one call between two CUDA events; the median of >= 50 repeats after
+the L2 cache first, gives the GPU a ~1 ms head start (so host-side dispatch is not timed), then times
+one call between two CUDA events; the median of >= 50 repeats after
 warm-up is reported. Fwd+bwd is timed with torch.autograd.grad (no leaf .grad accumulation).
 """
 
@@ -73,9 +74,10 @@ def environment() -> dict:
 
 
 class Timer:
-    def __init__(self, warmup: int = 10, repeats: int = 100):
+    def __init__(self, warmup: int = 10, repeats: int = 100, head_start_cycles: int = 2_000_000):
         self.warmup = warmup
         self.repeats = repeats
+        self.head_start_cycles = head_start_cycles  # ~1 ms at the H200's ~2 GHz
         self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
     def __call__(self, fn: Callable[[], object]) -> tuple[float, float, float]:
@@ -87,6 +89,9 @@ class Timer:
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
         for i in range(self.repeats):
             self._flush.zero_()
+            # a GPU-side head start, so the host has queued all of fn's launches before the GPU reaches
+            # the start event: the events then bracket GPU work, not Python/autograd dispatch
+            torch.cuda._sleep(self.head_start_cycles)
             starts[i].record()
             fn()
             ends[i].record()
