@@ -51,12 +51,11 @@ template <typename T, int V, bool DROPOUT>
 __global__ void __launch_bounds__(kThreads)
     swiglu_fwd_kernel(const T* __restrict__ gate_up, int64_t in_stride, T* __restrict__ out,
                       int64_t rows, int64_t inter, DropoutArgs d) {
-    const int64_t vecs_per_row = inter / V;
-    const int64_t total = rows * vecs_per_row;
-    for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
-         t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t n = t / vecs_per_row;
-        const int64_t i0 = (t - n * vecs_per_row) * V;
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c >= inter / V) return;
+    const int64_t i0 = c * V;
+    for (int64_t n = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; n < rows;
+         n += static_cast<int64_t>(gridDim.y) * blockDim.y) {
         const T* row = gate_up + n * in_stride;
         const Vec<T, V> gv = load_vec<T, V>(row + i0);
         const Vec<T, V> uv = load_vec<T, V>(row + inter + i0);
@@ -78,12 +77,11 @@ template <typename T, int V, bool DROPOUT>
 __global__ void __launch_bounds__(kThreads)
     swiglu_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ gate_up, int64_t in_stride,
                       T* __restrict__ dgate_up, int64_t rows, int64_t inter, DropoutArgs d) {
-    const int64_t vecs_per_row = inter / V;
-    const int64_t total = rows * vecs_per_row;
-    for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
-         t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t n = t / vecs_per_row;
-        const int64_t i0 = (t - n * vecs_per_row) * V;
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c >= inter / V) return;
+    const int64_t i0 = c * V;
+    for (int64_t n = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; n < rows;
+         n += static_cast<int64_t>(gridDim.y) * blockDim.y) {
         const T* row = gate_up + n * in_stride;
         const Vec<T, V> gv = load_vec<T, V>(row + i0);
         const Vec<T, V> uv = load_vec<T, V>(row + inter + i0);
@@ -113,9 +111,19 @@ DropoutArgs make_dropout_args(double p, int64_t seed, int64_t offset) {
                        keep_threshold_from_p(p), static_cast<float>(1.0 / (1.0 - p))};
 }
 
-int64_t grid_for(int64_t work) {
-    const int64_t cap = static_cast<int64_t>(lf_sm_count()) * 2048 / kThreads * 8;
-    return std::max<int64_t>(1, std::min((work + kThreads - 1) / kThreads, cap));
+// Grid over (vector within a row, row): x covers a row's vectors, y its rows. No grid-stride loop over
+// a flat index: measured on an H200, the flat version's per-element 64-bit divide and loop held the
+// backward at 44% of copy bandwidth, this layout at ~100%. Narrow rows share a block (blockDim.y > 1).
+struct Launch {
+    dim3 grid, block;
+};
+
+Launch launch_for(int64_t rows, int64_t vecs_per_row) {
+    int tx = 1;
+    while (tx < vecs_per_row && tx < kThreads) tx <<= 1;
+    const int ty = kThreads / tx;
+    const int64_t gy = std::min<int64_t>((rows + ty - 1) / ty, 65535);
+    return {dim3(static_cast<unsigned>((vecs_per_row + tx - 1) / tx), static_cast<unsigned>(gy)), dim3(tx, ty)};
 }
 
 }  // namespace
@@ -140,12 +148,12 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& gate_up, double p, int64_t seed, in
     LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_fwd", [&] {
         using T = scalar_t;
         auto launch = [&]<int V>() {
-            const int64_t blocks = grid_for(rows * (inter / V));
+            const Launch l = launch_for(rows, inter / V);
             if (p > 0.0) {
-                swiglu_fwd_kernel<T, V, true><<<blocks, kThreads, 0, stream>>>(
+                swiglu_fwd_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
                     gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows, inter, d);
             } else {
-                swiglu_fwd_kernel<T, V, false><<<blocks, kThreads, 0, stream>>>(
+                swiglu_fwd_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
                     gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows, inter, d);
             }
         };
@@ -181,13 +189,13 @@ at::Tensor swiglu_bwd_cuda(const at::Tensor& dout, const at::Tensor& gate_up, do
     LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_bwd", [&] {
         using T = scalar_t;
         auto launch = [&]<int V>() {
-            const int64_t blocks = grid_for(rows * (inter / V));
+            const Launch l = launch_for(rows, inter / V);
             if (p > 0.0) {
-                swiglu_bwd_kernel<T, V, true><<<blocks, kThreads, 0, stream>>>(
+                swiglu_bwd_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
                     dout.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.stride(0),
                     dgate_up.data_ptr<T>(), rows, inter, d);
             } else {
-                swiglu_bwd_kernel<T, V, false><<<blocks, kThreads, 0, stream>>>(
+                swiglu_bwd_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
                     dout.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.stride(0),
                     dgate_up.data_ptr<T>(), rows, inter, d);
             }

@@ -141,3 +141,9 @@ def test_swiglu_rejects_bad_input(impl):
         swiglu_dropout(torch.randn(2, 7, device=impl), 0.0, impl=impl)
     with pytest.raises(ValueError, match="seed and offset"):
         swiglu_dropout(torch.randn(2, 8, device=impl), 0.1, seed=-1, impl=impl)
+
+
+@pytest.mark.gpu
+def test_swiglu_more_rows_than_one_grid_dimension_cuda():
+    # 65535 is the grid's y limit: rows beyond it are reached by the kernel's row loop
+    assert_checks(swiglu_checks(65535 + 1000, 2048, torch.bfloat16, "cuda", "cuda", p=0.1))
