@@ -41,3 +41,4 @@ cat "$OUT/build.json"
 python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
 python3 -m pytest tests -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
+python3 -m benchmarks.profile_ops 2>&1 | grep -v Warning > "$OUT/profile.log"; tail -22 "$OUT/profile.log"
