@@ -215,6 +215,12 @@ def _fix_for_problem(problem: str) -> str:
     return "see the reason above"
 
 
+def _without_debug_info(args: list[str]) -> list[str]:
+    """DeepSpeed compiles host code with -g; debug info of torch's headers makes a cold build of the
+    bindings markedly slower and the modules larger, and nobody steps through them."""
+    return [a for a in args if a != "-g"]
+
+
 class LFCPUOpBuilder(LoongForgeBuilderMixin, CPUOpBuilder):
     """A host op: the CPU kernels, compiled with OpenMP and the host's vector width."""
 
@@ -222,7 +228,7 @@ class LFCPUOpBuilder(LoongForgeBuilderMixin, CPUOpBuilder):
         CPUOpBuilder.__init__(self, name=self.NAME)
 
     def cxx_args(self):
-        return super().cxx_args() + ["-std=c++20"]
+        return _without_debug_info(super().cxx_args()) + ["-std=c++20"]
 
 
 class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
@@ -261,7 +267,7 @@ class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
         return super().compute_capability_args(cross_compile_archs)
 
     def cxx_args(self):
-        return super().cxx_args() + ["-DLF_WITH_CUDA"]
+        return _without_debug_info(super().cxx_args()) + ["-DLF_WITH_CUDA"]
 
     def nvcc_args(self):
         return super().nvcc_args() + ["-DLF_WITH_CUDA", "--expt-relaxed-constexpr"]

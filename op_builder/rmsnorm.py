@@ -6,7 +6,7 @@ from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
 class FusedRMSNormBuilder(LFCUDAOpBuilder):
     NAME = "lf_fused_rmsnorm"
     BUILD_VAR = "LF_BUILD_RMSNORM"
-    SOURCES = ("rmsnorm/rmsnorm.cu", "rmsnorm/rmsnorm_binding.cpp")
+    SOURCES = ("rmsnorm/rmsnorm.cu", "rmsnorm/rmsnorm_bwd.cu", "rmsnorm/rmsnorm_binding.cpp")
 
 
 class FusedRMSNormCPUBuilder(LFCPUOpBuilder):

@@ -6,7 +6,7 @@ from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
 class FusedSwiGLUBuilder(LFCUDAOpBuilder):
     NAME = "lf_fused_swiglu"
     BUILD_VAR = "LF_BUILD_SWIGLU"
-    SOURCES = ("swiglu/swiglu.cu", "swiglu/swiglu_binding.cpp")
+    SOURCES = ("swiglu/swiglu.cu", "swiglu/swiglu_bwd.cu", "swiglu/swiglu_binding.cpp")
 
 
 class FusedSwiGLUCPUBuilder(LFCPUOpBuilder):

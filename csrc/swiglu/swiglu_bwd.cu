@@ -1,0 +1,49 @@
+// swiglu: backward entry point (kernels in swiglu_kernels.cuh).
+#include "swiglu_kernels.cuh"
+
+namespace loongforge {
+
+at::Tensor swiglu_bwd_cuda(const at::Tensor& dout, const at::Tensor& gate_up, double p, int64_t seed,
+                           int64_t offset) {
+    LF_CHECK_CUDA(gate_up);
+    LF_CHECK_CUDA(dout);
+    LF_CHECK_ROWS(gate_up);
+    LF_CHECK_CONTIGUOUS(dout);
+    TORCH_CHECK(gate_up.size(1) % 2 == 0, "swiglu: the last dimension holds [gate | up] and must be "
+                "even, got ", gate_up.size(1));
+    LF_CHECK_SHAPE(dout, gate_up.size(0), gate_up.size(1) / 2);
+    TORCH_CHECK(dout.scalar_type() == gate_up.scalar_type(), "swiglu_bwd: grad dtype ",
+                dout.scalar_type(), " differs from input dtype ", gate_up.scalar_type());
+    const DropoutArgs d = make_dropout_args(p, seed, offset);
+    const c10::cuda::CUDAGuard guard(gate_up.device());
+    const int64_t rows = gate_up.size(0);
+    const int64_t inter = gate_up.size(1) / 2;
+    auto dgate_up = at::empty({rows, 2 * inter}, gate_up.options());
+    if (rows == 0 || inter == 0) return dgate_up;
+    const int64_t elem = gate_up.element_size();
+    const int64_t vf = 16 / elem;
+    const bool vec_ok = inter % vf == 0 && lf_aligned16(gate_up.data_ptr()) &&
+                        (gate_up.stride(0) * elem) % 16 == 0 && lf_aligned16(dout.data_ptr());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_bwd", [&] {
+        using T = scalar_t;
+        auto launch = [&]<int V>() {
+            const Launch l = launch_for(rows, inter / V);
+            if (p > 0.0) {
+                swiglu_bwd_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
+                    dout.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.stride(0),
+                    dgate_up.data_ptr<T>(), rows, inter, d);
+            } else {
+                swiglu_bwd_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
+                    dout.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.stride(0),
+                    dgate_up.data_ptr<T>(), rows, inter, d);
+            }
+        };
+        if (vec_ok) launch.template operator()<16 / sizeof(T)>();
+        else launch.template operator()<1>();
+        LF_CUDA_CHECK_LAUNCH();
+    });
+    return dgate_up;
+}
+
+}  // namespace loongforge
