@@ -6,17 +6,8 @@ namespace loongforge {
 std::vector<at::Tensor> rmsnorm_fwd_cuda(const at::Tensor& x,
                                          const c10::optional<at::Tensor>& residual,
                                          const at::Tensor& weight, double eps) {
-    check_inputs(x, weight);
+    check_rmsnorm_fwd_args(x, residual, weight, eps, c10::DeviceType::CUDA);
     const bool has_res = residual.has_value() && residual->defined();
-    if (has_res) {
-        LF_CHECK_CUDA(*residual);
-        LF_CHECK_ROWS(*residual);
-        TORCH_CHECK(residual->sizes() == x.sizes(), "rmsnorm: residual shape ", residual->sizes(),
-                    " differs from input shape ", x.sizes());
-        TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "rmsnorm: residual dtype ",
-                    residual->scalar_type(), " differs from input dtype ", x.scalar_type());
-    }
-    TORCH_CHECK(eps >= 0, "rmsnorm: eps must be >= 0, got ", eps);
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t rows = x.size(0);
     const int hidden = static_cast<int>(x.size(1));

@@ -6,24 +6,8 @@ namespace loongforge {
 std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor& h,
                                          const at::Tensor& rstd, const at::Tensor& weight,
                                          const c10::optional<at::Tensor>& dresidual) {
-    check_inputs(h, weight);
-    LF_CHECK_CUDA(dy);
-    LF_CHECK_CONTIGUOUS(dy);
-    TORCH_CHECK(dy.sizes() == h.sizes(), "rmsnorm_bwd: grad shape ", dy.sizes(),
-                " differs from input shape ", h.sizes());
-    TORCH_CHECK(dy.scalar_type() == h.scalar_type(), "rmsnorm_bwd: grad dtype ", dy.scalar_type(),
-                " differs from input dtype ", h.scalar_type());
-    LF_CHECK_CUDA(rstd);
-    LF_CHECK_DTYPE(rstd, at::kFloat);
-    LF_CHECK_SHAPE(rstd, h.size(0));
+    check_rmsnorm_bwd_args(dy, h, rstd, weight, dresidual, c10::DeviceType::CUDA);
     const bool has_dres = dresidual.has_value() && dresidual->defined();
-    if (has_dres) {
-        LF_CHECK_CUDA(*dresidual);
-        LF_CHECK_CONTIGUOUS(*dresidual);
-        TORCH_CHECK(dresidual->sizes() == h.sizes() && dresidual->scalar_type() == h.scalar_type(),
-                    "rmsnorm_bwd: residual grad must match the input, got ", dresidual->sizes(), " ",
-                    dresidual->scalar_type());
-    }
     const c10::cuda::CUDAGuard guard(h.device());
     const int64_t rows = h.size(0);
     const int hidden = static_cast<int>(h.size(1));

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <vector>
 
-#include "lf_common.h"
+#include "rmsnorm_checks.h"
 
 namespace loongforge {
 namespace {
@@ -78,47 +78,13 @@ void bwd_rows(const T* dy, const T* h, int64_t h_stride, const float* rstd_in, c
     }
 }
 
-template <typename T>
-void dispatch_weight_cpu(const at::Tensor& weight, const char* name, const auto& fn) {
-    if (weight.scalar_type() == c10::CppTypeToScalarType<T>::value) {
-        fn.template operator()<T>();
-    } else if (weight.scalar_type() == at::kFloat) {
-        fn.template operator()<float>();
-    } else {
-        TORCH_CHECK(false, name, ": weight dtype must equal the input dtype or be float32, got weight ",
-                    weight.scalar_type(), " for input ", c10::CppTypeToScalarType<T>::value);
-    }
-}
-
-void check_inputs_cpu(const at::Tensor& x, const at::Tensor& weight) {
-    LF_CHECK_CPU(x);
-    LF_CHECK_CPU(weight);
-    LF_CHECK_ROWS(x);
-    LF_CHECK_FLOATING(x);
-    LF_CHECK_DIM(weight, 1);
-    LF_CHECK_CONTIGUOUS(weight);
-    TORCH_CHECK(weight.size(0) == x.size(1), "rmsnorm: weight has ", weight.size(0),
-                " elements but the input rows have ", x.size(1),
-                "; the weight must match the hidden size");
-    TORCH_CHECK(x.size(1) > 0, "rmsnorm: hidden size must be >= 1, got ", x.size(1));
-}
-
 }  // namespace
 
 std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
                                         const c10::optional<at::Tensor>& residual,
                                         const at::Tensor& weight, double eps) {
-    check_inputs_cpu(x, weight);
+    check_rmsnorm_fwd_args(x, residual, weight, eps, c10::DeviceType::CPU);
     const bool has_res = residual.has_value() && residual->defined();
-    if (has_res) {
-        LF_CHECK_CPU(*residual);
-        LF_CHECK_ROWS(*residual);
-        TORCH_CHECK(residual->sizes() == x.sizes(), "rmsnorm: residual shape ", residual->sizes(),
-                    " differs from input shape ", x.sizes());
-        TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "rmsnorm: residual dtype ",
-                    residual->scalar_type(), " differs from input dtype ", x.scalar_type());
-    }
-    TORCH_CHECK(eps >= 0, "rmsnorm: eps must be >= 0, got ", eps);
     const int64_t rows = x.size(0);
     const int64_t hidden = x.size(1);
     auto y = at::empty({rows, hidden}, x.options());
@@ -126,7 +92,7 @@ std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
     auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
     LF_DISPATCH_FLOATING(x.scalar_type(), "rmsnorm_fwd_cpu", [&] {
         using T = scalar_t;
-        dispatch_weight_cpu<T>(weight, "rmsnorm_fwd_cpu", [&]<typename W>() {
+        dispatch_weight<T>(weight, "rmsnorm_fwd_cpu", [&]<typename W>() {
             const T* rp = has_res ? residual->data_ptr<T>() : nullptr;
             const int64_t rs = has_res ? residual->stride(0) : 0;
             T* hp = has_res ? h_out.data_ptr<T>() : nullptr;
@@ -144,24 +110,8 @@ std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
 std::vector<at::Tensor> rmsnorm_bwd_cpu(const at::Tensor& dy, const at::Tensor& h,
                                         const at::Tensor& rstd, const at::Tensor& weight,
                                         const c10::optional<at::Tensor>& dresidual) {
-    check_inputs_cpu(h, weight);
-    LF_CHECK_CPU(dy);
-    LF_CHECK_CONTIGUOUS(dy);
-    TORCH_CHECK(dy.sizes() == h.sizes(), "rmsnorm_bwd: grad shape ", dy.sizes(),
-                " differs from input shape ", h.sizes());
-    TORCH_CHECK(dy.scalar_type() == h.scalar_type(), "rmsnorm_bwd: grad dtype ", dy.scalar_type(),
-                " differs from input dtype ", h.scalar_type());
-    LF_CHECK_CPU(rstd);
-    LF_CHECK_DTYPE(rstd, at::kFloat);
-    LF_CHECK_SHAPE(rstd, h.size(0));
+    check_rmsnorm_bwd_args(dy, h, rstd, weight, dresidual, c10::DeviceType::CPU);
     const bool has_dres = dresidual.has_value() && dresidual->defined();
-    if (has_dres) {
-        LF_CHECK_CPU(*dresidual);
-        LF_CHECK_CONTIGUOUS(*dresidual);
-        TORCH_CHECK(dresidual->sizes() == h.sizes() && dresidual->scalar_type() == h.scalar_type(),
-                    "rmsnorm_bwd: residual grad must match the input, got ", dresidual->sizes(), " ",
-                    dresidual->scalar_type());
-    }
     const int64_t rows = h.size(0);
     const int64_t hidden = h.size(1);
     auto dx = at::empty({rows, hidden}, h.options());
@@ -170,7 +120,7 @@ std::vector<at::Tensor> rmsnorm_bwd_cpu(const at::Tensor& dy, const at::Tensor& 
     auto dw = at::empty_like(weight);
     LF_DISPATCH_FLOATING(h.scalar_type(), "rmsnorm_bwd_cpu", [&] {
         using T = scalar_t;
-        dispatch_weight_cpu<T>(weight, "rmsnorm_bwd_cpu", [&]<typename W>() {
+        dispatch_weight<T>(weight, "rmsnorm_bwd_cpu", [&]<typename W>() {
             const T* drp = has_dres ? dresidual->data_ptr<T>() : nullptr;
             float* pp = partial.data_ptr<float>();
             at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "lf_cuda_utils.cuh"
+#include "rmsnorm_checks.h"
 
 namespace loongforge {
 namespace {
@@ -309,18 +310,6 @@ RowPlan plan_rows(int hidden, int elem_size, bool aligned) {
     return plan;
 }
 
-template <typename T>
-void dispatch_weight(const at::Tensor& weight, const char* name, const auto& fn) {
-    if (weight.scalar_type() == c10::CppTypeToScalarType<T>::value) {
-        fn.template operator()<T>();
-    } else if (weight.scalar_type() == at::kFloat) {
-        fn.template operator()<float>();
-    } else {
-        TORCH_CHECK(false, name, ": weight dtype must equal the input dtype or be float32, got weight ",
-                    weight.scalar_type(), " for input ", c10::CppTypeToScalarType<T>::value);
-    }
-}
-
 template <int V>
 void dispatch_vpt(int vpt, const auto& fn) {
     switch (vpt) {
@@ -329,22 +318,6 @@ void dispatch_vpt(int vpt, const auto& fn) {
         case 4: fn.template operator()<V, 4>(); break;
         default: TORCH_CHECK(false, "rmsnorm: internal error, unexpected vectors per thread ", vpt);
     }
-}
-
-void check_inputs(const at::Tensor& x, const at::Tensor& weight) {
-    LF_CHECK_CUDA(x);
-    LF_CHECK_CUDA(weight);
-    LF_CHECK_ROWS(x);
-    LF_CHECK_FLOATING(x);
-    LF_CHECK_DIM(weight, 1);
-    LF_CHECK_CONTIGUOUS(weight);
-    TORCH_CHECK(weight.size(0) == x.size(1), "rmsnorm: weight has ", weight.size(0),
-                " elements but the input rows have ", x.size(1),
-                "; the weight must match the hidden size");
-    TORCH_CHECK(x.size(1) > 0 && x.size(1) <= std::numeric_limits<int>::max() / 2,
-                "rmsnorm: hidden size must be in [1, 2^30), got ", x.size(1));
-    TORCH_CHECK(x.get_device() == weight.get_device(), "rmsnorm: input on ", x.device(),
-                " but weight on ", weight.device());
 }
 
 }  // namespace

@@ -79,6 +79,13 @@ def kernel_for(op: str, builders: dict, device_type: str, impl: str):
     raise failed
 
 
+def as_rows(t):
+    """[..., H] as a 2-D [rows, H] view the kernels take (row stride allowed); copies only when the last
+    dimension is not unit-stride or the leading dimensions cannot be merged."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def forget_failures() -> None:
     """Retry builds that failed before (after the user fixed the environment)."""
     with _state_lock:

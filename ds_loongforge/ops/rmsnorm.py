@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
-from ds_loongforge.ops._dispatch import kernel_for
+from ds_loongforge.ops._dispatch import as_rows, kernel_for
 
 _BUILDERS = {"cuda": FusedRMSNormBuilder, "cpu": FusedRMSNormCPUBuilder}
 
@@ -31,19 +31,15 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     return y if residual is None else (y, h)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 class _FusedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, residual, eps, kernel):
         shape = x.shape
-        y, h, rstd = kernel.forward(_rows(x), None if residual is None else _rows(residual), weight, eps)
+        x_rows = as_rows(x)
+        y, h, rstd = kernel.forward(x_rows, None if residual is None else as_rows(residual), weight, eps)
         has_residual = residual is not None
-        ctx.save_for_backward(h if has_residual else _rows(x), rstd, weight)
+        ctx.save_for_backward(h if has_residual else x_rows, rstd, weight)
         ctx.kernel = kernel
         ctx.has_residual = has_residual
         ctx.shape = shape

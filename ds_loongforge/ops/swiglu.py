@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
-from ds_loongforge.ops._dispatch import kernel_for
+from ds_loongforge.ops._dispatch import as_rows, kernel_for
 
 _BUILDERS = {"cuda": FusedSwiGLUBuilder, "cpu": FusedSwiGLUCPUBuilder}
 _MASK32 = 0xFFFFFFFF
@@ -81,16 +81,11 @@ def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offse
     return out.to(gate_up.dtype)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 class _FusedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, p, seed, offset, kernel):
-        rows = _rows(gate_up)
+        rows = as_rows(gate_up)
         out = kernel.forward(rows, p, seed, offset)
         ctx.save_for_backward(rows)
         ctx.args = (p, seed, offset, kernel, gate_up.shape)
