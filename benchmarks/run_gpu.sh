@@ -3,7 +3,7 @@
 # loongforge_report --verify, the GPU tests, and the benchmark. Everything lands in $OUT.
 #
 #   here:   see shared/BENCHMARKS.md to fill .whl/ (DeepSpeed, pydantic, hjson, liger-kernel wheels)
-#   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"])
+#   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmark)
 set -uo pipefail
 OUT=${OUT:-/tmp/lf_out}
 mkdir -p "$OUT"
@@ -42,5 +42,6 @@ cat "$OUT/build.json"
 
 python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
 python3 -m pytest tests -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+[ "${LF_BENCH:-1}" = 1 ] || exit 0   # LF_BENCH=0: build, verify and GPU tests only
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
 python3 -m benchmarks.profile_ops 2>&1 | grep -v Warning > "$OUT/profile.log"; tail -22 "$OUT/profile.log"
