@@ -38,6 +38,16 @@ for b in (FusedRMSNormBuilder(), FusedSwiGLUBuilder()):
 t2 = time.time()
 print(json.dumps({"cached_load_seconds_both_ops": round(t2 - t1, 2), "import_torch_deepspeed_seconds": round(t1 - t0, 2)}))
 PY
+export TORCH_EXTENSIONS_DIR=/tmp/lf_ext_parallel
+rm -rf "$TORCH_EXTENSIONS_DIR"
+python3 - >> "$OUT/build.json" <<'PY'
+import json, time
+from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedSwiGLUBuilder, build_ops
+t = time.time()
+results = build_ops([FusedRMSNormBuilder(), FusedSwiGLUBuilder()])
+assert all(not isinstance(m, Exception) for m in results.values()), results
+print(json.dumps({"cold_jit_seconds_both_ops_build_ops_parallel": round(time.time() - t, 2)}))
+PY
 cat "$OUT/build.json"
 
 python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.cpp_extension import get_default_build_root
 
-from ds_loongforge.op_builder import OpBuildError, all_builders
+from ds_loongforge.op_builder import OpBuildError, all_builders, build_ops
 from ds_loongforge.ops import numerics
 
 
@@ -115,27 +115,28 @@ def print_report(rows: list[OpRow], env: dict[str, str]) -> None:
 
 
 def verify(rows: list[OpRow]) -> bool:
-    """Build every compatible op and check it; True when nothing failed."""
+    """Build every compatible op (concurrently) and check it; True when nothing failed."""
     ok = True
     print("verify: max error / tolerance (pass when error <= tolerance), fwd and every grad, fp64 reference")
+    to_build = []
     for builder in all_builders():
         row = next(r for r in rows if r.name == builder.NAME)
         if not row.compatible:
             print(f"  {builder.NAME:<24} not built: {row.problem}")
-            continue
-        device = "cuda" if builder.is_cuda_op else "cpu"
-        no_gpu = device == "cuda" and not torch.cuda.is_available()
-        if no_gpu and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        elif builder.is_cuda_op and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             print(f"  {builder.NAME:<24} not built: no GPU visible; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) "
                   "to compile-check it here")
-            continue
-        try:
-            builder.load()
-        except OpBuildError as err:
+        else:
+            to_build.append(builder)
+    built = build_ops(to_build)
+    for builder in to_build:
+        module = built[builder.NAME]
+        if isinstance(module, OpBuildError):
             ok = False
-            print(f"  {builder.NAME:<24} BUILD FAILED\n{err}")
+            print(f"  {builder.NAME:<24} BUILD FAILED\n{module}")
             continue
-        if no_gpu:
+        device = "cuda" if builder.is_cuda_op else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
             print(f"  {builder.NAME:<24} built; numerical check not run: no CUDA device visible")
             continue
         for check in numerics.checks_for(builder.NAME, device):

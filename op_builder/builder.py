@@ -18,10 +18,12 @@ Compatibility checks never initialise CUDA, so importing a builder is always saf
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import shutil
 import subprocess
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder, installed_cuda_version
@@ -271,6 +273,47 @@ class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
 
     def nvcc_args(self):
         return super().nvcc_args() + ["-DLF_WITH_CUDA", "--expt-relaxed-constexpr"]
+
+
+def _build_in_child(module_name: str, class_name: str) -> tuple[str, str, str] | None:
+    """Runs in a spawned process: JIT-build one op into the shared cache; the error's fields on failure."""
+    builder = getattr(importlib.import_module(module_name), class_name)()
+    try:
+        builder.jit_build()
+    except OpBuildError as err:
+        return err.reason, err.fix, err.compiler_tail
+    return None
+
+
+def build_ops(builders: list, max_parallel: int | None = None) -> dict[str, object]:
+    """Build several ops at once and load them: ``{NAME: module or OpBuildError}``.
+
+    Ops that are neither prebuilt nor in the JIT cache are compiled concurrently, each in its own
+    spawned process (one ninja per op), so a cold start costs the slowest op rather than the sum; the
+    modules are then imported here from the cache. An op that fails does not stop the others.
+    """
+    pending = [b for b in builders if b.prebuilt_module() is None and not b.jit_cached()
+               and b.compatibility_problem() is None]
+    failures: dict[str, OpBuildError] = {}
+    if len(pending) > 1:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=max_parallel or len(pending), mp_context=context) as pool:
+            futures = {b.NAME: pool.submit(_build_in_child, type(b).__module__, type(b).__qualname__)
+                       for b in pending}
+            for name, future in futures.items():
+                error = future.result()
+                if error is not None:
+                    failures[name] = OpBuildError(name, *error)
+    results: dict[str, object] = {}
+    for builder in builders:
+        if builder.NAME in failures:
+            results[builder.NAME] = failures[builder.NAME]
+            continue
+        try:
+            results[builder.NAME] = builder.load()
+        except OpBuildError as err:
+            results[builder.NAME] = err
+    return results
 
 
 def all_builders() -> list[OpBuilder]:

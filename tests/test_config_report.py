@@ -45,3 +45,14 @@ def test_report_verify_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
                         lambda name, device: [lambda: CheckResult(f"{name} planted failure", 1.0, 0.5)])
     assert report.main(["--verify"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_example_configs_parse():
+    import json
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
+    assert configs
+    for path in configs:
+        cfg = parse_config(json.loads(path.read_text()))
+        assert cfg.enabled, path.name

@@ -192,3 +192,34 @@ def test_cuda_ops_compile():
         module = builder.load()
         assert module.device == "cuda"
         assert builder.jit_cached() or builder.prebuilt_module() is not None
+
+
+@pytest.mark.slow
+def test_build_ops_builds_concurrently_and_isolates_a_failure(tmp_path, monkeypatch):
+    """build_ops compiles cold ops in parallel processes, loads them, and reports a broken op by itself."""
+    from ds_loongforge.op_builder import FusedSwiGLUCPUBuilder, build_ops
+
+    pkg = tmp_path / "lf_broken_ops"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(f"""
+        from ds_loongforge.op_builder.builder import LFCPUOpBuilder
+
+        class BrokenBuilder(LFCPUOpBuilder):
+            NAME = "lf_test_broken_parallel"
+            BUILD_VAR = "LF_BUILD_TEST_BROKEN"
+            SOURCES = ({str(tmp_path / 'broken.cpp')!r},)
+    """))
+    (tmp_path / "broken.cpp").write_text("int broken( {\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(LoongForgeBuilderMixin, "_loaded", {})
+    import lf_broken_ops
+
+    builders = [FusedRMSNormCPUBuilder(), FusedSwiGLUCPUBuilder(), lf_broken_ops.BrokenBuilder()]
+    results = build_ops(builders)
+    assert results["lf_fused_rmsnorm_cpu"].device == "cpu"
+    assert results["lf_fused_swiglu_cpu"].device == "cpu"
+    broken = results["lf_test_broken_parallel"]
+    assert isinstance(broken, OpBuildError) and "broken.cpp" in broken.compiler_tail
+    assert FusedRMSNormCPUBuilder().jit_cached() and FusedSwiGLUCPUBuilder().jit_cached()
