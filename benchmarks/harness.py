@@ -9,7 +9,6 @@ warm-up is reported. Fwd+bwd is timed with torch.autograd.grad (no leaf .grad ac
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import statistics
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ds_loongforge.report import package_version
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _FLUSH_BYTES = 512 * 1024 * 1024  # well above the H200's L2 (~60 MB)
@@ -37,13 +38,6 @@ class Row:
     pct_of_copy: float = 0.0
     note: str = ""
     extra: dict = field(default_factory=dict)
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def git_commit() -> str:
@@ -64,10 +58,10 @@ def environment() -> dict:
         "sms": props.multi_processor_count,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "deepspeed": _version("deepspeed"),
-        "liger_kernel": _version("liger-kernel"),
-        "transformers": _version("transformers"),
+        "triton": package_version("triton"),
+        "deepspeed": package_version("deepspeed"),
+        "liger_kernel": package_version("liger-kernel"),
+        "transformers": package_version("transformers"),
         "commit": git_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

@@ -23,7 +23,7 @@ from ds_loongforge.op_builder import OpBuildError, all_builders, build_ops
 from ds_loongforge.ops import numerics
 
 
-def _version(dist: str) -> str:
+def package_version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -62,9 +62,9 @@ def environment() -> dict[str, str]:
         "torch CUDA": str(torch.version.cuda),
         "nvcc": _nvcc_version(),
         "NCCL": nccl,
-        "DeepSpeed": _version("deepspeed"),
-        "transformers": _version("transformers"),
-        "ds_loongforge": _version("ds_loongforge"),
+        "DeepSpeed": package_version("deepspeed"),
+        "transformers": package_version("transformers"),
+        "ds_loongforge": package_version("ds_loongforge"),
         "GPU": gpu,
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "(unset)"),
         "torch extensions dir": get_default_build_root(),

@@ -169,39 +169,24 @@ class LoongForgeBuilderMixin:
                                    "H100/H200) to compile without a GPU")
         verbose = verbose or os.environ.get("LOONGFORGE_VERBOSE_BUILD") == "1"
         saved_jit_mode = self.jit_mode
-        saved_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        self.jit_mode = True
+        self.jit_mode = True  # CUDA arch flags then come from torch (LFCUDAOpBuilder.compute_capability_args)
         self.build_for_cpu = not self.is_cuda_op
         start = time.time()
         try:
-            if self.is_cuda_op:
-                self._jit_arch_list = (saved_arch or "").strip() or None
-            cxx_args = self.strip_empty_entries(self.cxx_args())
-            nvcc_args = self.strip_empty_entries(self.nvcc_args()) if self.is_cuda_op else []
-            if self.is_cuda_op and getattr(self, "enable_bf16", False):
-                cxx_args.append("-DBF16_AVAILABLE")
-                nvcc_args.append("-DBF16_AVAILABLE")
             module = load(name=self.NAME,
                           sources=self.sources(),
                           extra_include_paths=self.include_paths(),
-                          extra_cflags=cxx_args,
-                          extra_cuda_cflags=nvcc_args,
+                          extra_cflags=self.strip_empty_entries(self.cxx_args()),
+                          extra_cuda_cflags=self.strip_empty_entries(self.nvcc_args()) if self.is_cuda_op else [],
                           extra_ldflags=self.strip_empty_entries(self.extra_ldflags()),
                           with_cuda=self.is_cuda_op,
                           verbose=verbose)
-        except OpBuildError:
-            raise
         except (RuntimeError, OSError, subprocess.CalledProcessError, ImportError) as err:
             output = str(err)
             raise OpBuildError(self.NAME, f"{type(err).__name__} during the JIT build",
                                _likely_fix(output, self.is_cuda_op), _tail(output)) from err
         finally:
             self.jit_mode = saved_jit_mode
-            self._jit_arch_list = None
-            if saved_arch is None:
-                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-            else:
-                os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch
         self.last_build_seconds = time.time() - start
         return module
 
