@@ -23,6 +23,15 @@ def max_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
+def relative_l2_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """||value - reference|| / ||reference||: for composite layers, where a shared upstream rounding
+    dominates and the single worst element is chance."""
+    ref = reference.detach().double()
+    norm = float(ref.norm())
+    diff = float((value.detach().double() - ref).norm())
+    return diff / norm if norm > 0 else diff
+
+
 def tolerance(torch_error: float, reference: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> float:
     """2x PyTorch's own error, floored at the rounding level of the dtype at the computation's scale.
 
