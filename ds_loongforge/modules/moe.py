@@ -15,8 +15,13 @@ work and their weight gradients are zeros (never None). The combine gathers inst
 atomics, so results are deterministic. Parameter names equal transformers' MixtralSparseMoeBlock
 (gate.weight, experts.gate_up_proj, experts.down_proj), so checkpoints load both ways.
 
-Expert parallelism, the fused permute/unpermute kernels and DeepSpeed's MoE parameter groups are the
-remaining parts of this layer's issue.
+Expert parallelism (``ep_group``): each rank of the group holds E / ep_size consecutive experts and the
+whole router. After routing, every rank sends each token-expert pair to the rank owning the expert with
+one variable-size all-to-all (no padding to a capacity), the owners run their experts on what arrived,
+and a second all-to-all returns the results, which are combined as above. The split sizes are exchanged
+first and read on the host (one sync per layer). Pre-allocated, calibrated buffers, chunked overlap of
+communication with expert compute, the fused permute/unpermute kernels and DeepSpeed's MoE parameter
+groups are the remaining parts of this layer's issue.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -123,6 +129,24 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
     return out
 
 
+class _AllToAll(torch.autograd.Function):
+    """Variable-size all-to-all whose backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty(sum(in_splits), *grad_out.shape[1:])
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
 class ExpertMaskedMoE(nn.Module):
     """Dropless top-k MoE block; ``forward(x [..., H]) -> [..., H]``.
 
@@ -134,7 +158,7 @@ class ExpertMaskedMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  router_mode: str = "topk", renormalize: bool = True, jitter_noise: float = 0.0,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, dropout: float = 0.0,
-                 impl: str = "auto", device=None, dtype=None):
+                 impl: str = "auto", ep_group=None, device=None, dtype=None):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"ExpertMaskedMoE: num_experts must be >= 1, got {num_experts}")
@@ -149,9 +173,17 @@ class ExpertMaskedMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.jitter_noise, self.aux_loss_coef, self.z_loss_coef = jitter_noise, aux_loss_coef, z_loss_coef
         self.dropout, self.impl = dropout, impl
+        self.ep_group = ep_group
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        if num_experts % self.ep_size:
+            raise ValueError(f"ExpertMaskedMoE: num_experts={num_experts} is not divisible by the expert-parallel "
+                             f"size {self.ep_size}; choose an ep_size that divides the number of experts")
+        self.num_local_experts = num_experts // self.ep_size
         self.gate = TopKRouter(hidden_size, num_experts, top_k, mode=router_mode, renormalize=renormalize,
                                device=device, dtype=dtype)
-        self.experts = StackedExperts(hidden_size, intermediate_size, num_experts, device=device, dtype=dtype)
+        self.experts = StackedExperts(hidden_size, intermediate_size, self.num_local_experts, device=device,
+                                      dtype=dtype)
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: RoutingStats | None = None
 
@@ -170,9 +202,10 @@ class ExpertMaskedMoE(nn.Module):
         tokens_per_expert_E = torch.bincount(ids_P, minlength=self.num_experts)
         x_PH = x_TH[order_P // k]
 
-        gate_up_P2I = expert_matmul(x_PH, self.experts.gate_up_proj, tokens_per_expert_E)
-        act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
-        y_PH = expert_matmul(act_PI, self.experts.down_proj, tokens_per_expert_E)
+        if self.ep_size == 1:
+            y_PH = self._experts(x_PH, tokens_per_expert_E)
+        else:
+            y_PH = self._experts_parallel(x_PH, tokens_per_expert_E)
 
         slot_P = torch.empty_like(order_P)
         slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
@@ -183,6 +216,33 @@ class ExpertMaskedMoE(nn.Module):
         if self.training:
             self.aux_loss = self._aux_loss(logits_TE, probs_TE, tokens_per_expert_E, num_tokens)
         return out_TH.view(shape)
+
+    def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """The local experts on expert-major rows."""
+        gate_up_P2I = expert_matmul(x_PH, self.experts.gate_up_proj, tokens_per_expert_E)
+        act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
+        return expert_matmul(act_PI, self.experts.down_proj, tokens_per_expert_E)
+
+    def _experts_parallel(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Send each pair to the rank owning its expert, run the local experts, send the results back.
+
+        R = ep_size ranks, L = local experts per rank; rows arrive source-rank-major, expert-major within
+        a source, and are regrouped expert-major (source order within an expert) for the grouped GEMM.
+        """
+        ep, local = self.ep_size, self.num_local_experts
+        send_RL = tokens_per_expert_E.view(ep, local)
+        recv_RL = torch.empty_like(send_RL)
+        dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=self.ep_group)
+        in_splits = send_RL.sum(1).tolist()   # host sync: the split sizes of the variable all-to-all
+        out_splits = recv_RL.sum(1).tolist()
+        x_recv = _AllToAll.apply(x_PH, out_splits, in_splits, self.ep_group)
+
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=x_PH.device).repeat(ep), recv_RL.reshape(-1))
+        order = torch.argsort(expert_of_row, stable=True)
+        y_local = self._experts(x_recv[order], recv_RL.sum(0))
+        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
+        return _AllToAll.apply(y_recv, in_splits, out_splits, self.ep_group)
 
     def _aux_loss(self, logits_TE, probs_TE, tokens_per_expert_E, num_tokens) -> torch.Tensor:
         loss = logits_TE.new_zeros((), dtype=torch.float32)

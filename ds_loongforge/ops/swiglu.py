@@ -95,7 +95,8 @@ class _FusedSwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dout):
         (rows,) = ctx.saved_tensors
         p, seed, offset, kernel, shape = ctx.args
-        dgate_up = kernel.backward(dout.reshape(rows.shape[0], -1).contiguous(), rows, p, seed, offset)
+        dgate_up = kernel.backward(dout.reshape(rows.shape[0], rows.shape[1] // 2).contiguous(), rows, p, seed,
+                                   offset)
         return dgate_up.view(shape), None, None, None, None
 
 

@@ -147,3 +147,14 @@ def test_swiglu_rejects_bad_input(impl):
 def test_swiglu_more_rows_than_one_grid_dimension_cuda():
     # 65535 is the grid's y limit: rows beyond it are reached by the kernel's row loop
     assert_checks(swiglu_checks(65535 + 1000, 2048, torch.bfloat16, "cuda", "cuda", p=0.1))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_swiglu_empty_input(impl, p):
+    # an expert-parallel rank that receives no tokens runs the op on zero rows, forward and backward
+    gate_up = torch.randn(0, 2 * 64, device=impl, requires_grad=True)
+    out = swiglu_dropout(gate_up, p, seed=1, impl=impl)
+    assert out.shape == (0, 64)
+    (grad,) = torch.autograd.grad(out.sum(), gate_up)
+    assert grad.shape == (0, 128)

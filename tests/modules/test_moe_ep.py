@@ -1,0 +1,110 @@
+"""Expert parallelism over gloo with several CPU processes: each rank's outputs and gradients equal the
+single-process layer's on the same tokens; expert gradients are the matching slices; the router
+gradient summed over ranks equals the single-process one. Includes a rank that receives no tokens and a
+rank that sends none."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ds_loongforge.modules.moe import ExpertMaskedMoE
+
+H, INTER, E, K = 16, 8, 8, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full_model(seed: int, skew: bool) -> ExpertMaskedMoE:
+    torch.manual_seed(seed)
+    moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu")
+    if skew:  # every token prefers experts 0 and 1, which rank 0 owns: other ranks receive nothing
+        with torch.no_grad():
+            moe.gate.weight.zero_()
+            moe.gate.weight[0] = 3.0
+            moe.gate.weight[1] = 2.0
+    return moe
+
+
+def _inputs(world: int, tokens: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.rand(n, H, generator=g) + 0.05 for n in tokens[:world]]
+    dys = [torch.randn(n, H, generator=g) for n in tokens[:world]]
+    return xs, dys
+
+
+def _worker(rank, world, port, seed, skew, tokens, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        full = _full_model(seed, skew)
+        moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_group=dist.group.WORLD)
+        local = E // world
+        with torch.no_grad():
+            moe.gate.weight.copy_(full.gate.weight)
+            moe.experts.gate_up_proj.copy_(full.experts.gate_up_proj[rank * local:(rank + 1) * local])
+            moe.experts.down_proj.copy_(full.experts.down_proj[rank * local:(rank + 1) * local])
+        xs, dys = _inputs(world, tokens, seed)
+        x = xs[rank].clone().requires_grad_()
+        y = moe(x)
+        grads = torch.autograd.grad(y, [x, moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj],
+                                    dys[rank], allow_unused=False)
+        torch.save({"y": y.detach(), "grads": grads}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["random", "skewed_to_rank0", "rank1_sends_nothing"])
+def test_expert_parallel_equals_single_process(world, case, tmp_path):
+    seed = int(torch.randint(0, 2**31, ()))
+    skew = case == "skewed_to_rank0"
+    tokens = [23, 0 if case == "rank1_sends_nothing" else 17, 31, 9]
+    mp.spawn(_worker, args=(world, _free_port(), seed, skew, tokens, str(tmp_path)), nprocs=world)
+
+    full = _full_model(seed, skew)
+    xs, dys = _inputs(world, tokens, seed)
+    x_all = torch.cat(xs).requires_grad_()
+    y_all = full(x_all)
+    params = [full.gate.weight, full.experts.gate_up_proj, full.experts.down_proj]
+    dx_all, dgate, dgate_up, ddown = torch.autograd.grad(y_all, [x_all] + params, torch.cat(dys))
+
+    local = E // world
+    starts = [sum(tokens[:r]) for r in range(world)]
+    gate_sum = torch.zeros_like(dgate)
+    for rank in range(world):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        rows = slice(starts[rank], starts[rank] + tokens[rank])
+        torch.testing.assert_close(res["y"], y_all[rows].detach(), rtol=1e-5, atol=1e-6)
+        dx, dg, dgu, dd = res["grads"]
+        torch.testing.assert_close(dx, dx_all[rows], rtol=1e-5, atol=1e-6)
+        experts = slice(rank * local, (rank + 1) * local)
+        torch.testing.assert_close(dgu, dgate_up[experts], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dd, ddown[experts], rtol=1e-5, atol=1e-6)
+        gate_sum += dg
+    torch.testing.assert_close(gate_sum, dgate, rtol=1e-5, atol=1e-6)
+    if skew:
+        assert torch.count_nonzero(dgate_up[2:]) == 0  # idle experts: zero gradients on every rank
+
+
+def test_experts_must_divide_over_the_ep_group(tmp_path):
+    mp.spawn(_bad_divisor_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "message.txt").read_text().startswith(
+        "ExpertMaskedMoE: num_experts=3 is not divisible by the expert-parallel size 2")
+
+
+def _bad_divisor_worker(rank, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ExpertMaskedMoE(8, 8, 3, 1, ep_group=dist.group.WORLD)
+    except ValueError as err:
+        if rank == 0:
+            with open(f"{out_dir}/message.txt", "w") as f:
+                f.write(str(err))
+    finally:
+        dist.destroy_process_group()
