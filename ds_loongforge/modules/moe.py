@@ -19,14 +19,18 @@ Expert parallelism (``ep_group``): each rank of the group holds E / ep_size cons
 whole router. After routing, every rank sends each token-expert pair to the rank owning the expert with
 one variable-size all-to-all (no padding to a capacity), the owners run their experts on what arrived,
 and a second all-to-all returns the results, which are combined as above. The split sizes are exchanged
-first and read on the host (one sync per layer). Pre-allocated, calibrated buffers, chunked overlap of
-communication with expert compute, the fused permute/unpermute kernels and DeepSpeed's MoE parameter
-groups are the remaining parts of this layer's issue.
+first and read on the host (one sync per layer). Rows arrive in a pre-allocated receive buffer
+(ReceiveBuffer): ceil(factor * T * K / ep_size) rows at first, calibrated to the observed peak at the
+end of a warm-up window, grown by ``growth`` with one warning when a step needs more; never a crash or a
+dropped token. Chunked overlap of communication with expert compute, the fused permute/unpermute
+kernels and DeepSpeed's MoE parameter groups are the remaining parts of this layer's issue.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +41,68 @@ from torch.nn import functional as F
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
 ROUTER_MODES = ("topk", "sampled")
+logger = logging.getLogger("ds_loongforge")
+
+
+class ReceiveBuffer:
+    """The receive buffer of one layer's expert-parallel dispatch, reused across steps.
+
+    Capacity starts at ceil(factor * pairs / ep_size) rows. During the first ``warmup_steps`` forwards it
+    grows silently to what a step needs and records the peak; at the end of warm-up it is resized once
+    to that peak plus ``growth`` headroom. After warm-up a step that needs more grows it by ``growth``
+    (at least to the need) with one warning. Rows beyond a step's need are never read.
+    """
+
+    def __init__(self, factor: float = 1.2, warmup_steps: int = 500, growth: float = 0.2):
+        if factor <= 0:
+            raise ValueError(f"all_to_all_buffer_factor must be > 0, got {factor}")
+        if warmup_steps < 0:
+            raise ValueError(f"buffer_warmup_steps must be >= 0, got {warmup_steps}")
+        if growth <= 0:
+            raise ValueError(f"buffer_growth must be > 0, got {growth}")
+        self.factor, self.warmup_steps, self.growth = factor, warmup_steps, growth
+        self.buffer: torch.Tensor | None = None
+        self.steps = 0
+        self.peak_rows = 0
+        self.reallocations = 0
+        self.reallocations_after_warmup = 0
+        self._warned = False
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.shape[0]
+
+    def _allocate(self, rows: int, like: torch.Tensor, calibration: bool = False) -> None:
+        self.buffer = like.new_empty(rows, *like.shape[1:])
+        self.reallocations += 1
+        if self.steps > self.warmup_steps and not calibration:
+            self.reallocations_after_warmup += 1
+
+    def take(self, rows: int, pairs: int, ep_size: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, ...] view to receive into (like: a tensor of the row shape, dtype and device)."""
+        self.steps += 1
+        self.peak_rows = max(self.peak_rows, rows)
+        if (self.buffer is None or self.buffer.shape[1:] != like.shape[1:] or self.buffer.dtype != like.dtype
+                or self.buffer.device != like.device):
+            self._allocate(max(1, math.ceil(self.factor * pairs / ep_size)), like)
+        elif self.steps == self.warmup_steps + 1 and self.warmup_steps > 0:
+            calibrated = math.ceil(self.peak_rows * (1 + self.growth))
+            if calibrated != self.capacity:
+                self._allocate(calibrated, like, calibration=True)
+        if rows > self.capacity:
+            grown = max(rows, math.ceil(self.capacity * (1 + self.growth)))
+            if self.steps > self.warmup_steps and not self._warned:
+                message = (f"[LoongForge] expert-parallel receive buffer grew from {self.capacity} to {grown} rows "
+                           f"(a step needed {rows}); raise all_to_all_buffer_factor or buffer_warmup_steps to "
+                           "size it up front")
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+                logger.warning(message)
+                self._warned = True
+            self._allocate(grown, like)
+        return self.buffer[:rows]
+
+    def fill_fraction(self, rows: int) -> float:
+        return rows / self.capacity if self.capacity else 0.0
 
 
 @dataclass
@@ -133,9 +199,11 @@ class _AllToAll(torch.autograd.Function):
     """Variable-size all-to-all whose backward sends the gradients back the way the rows came."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, x, out_splits, in_splits, group, allocate=None):
+        """``allocate(rows)`` supplies the receive tensor (a pre-allocated buffer); default: a new one."""
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        rows = sum(out_splits)
+        out = allocate(rows) if allocate is not None else x.new_empty(rows, *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
@@ -144,7 +212,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty(sum(in_splits), *grad_out.shape[1:])
         dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
 
 
 class ExpertMaskedMoE(nn.Module):
@@ -158,7 +226,8 @@ class ExpertMaskedMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  router_mode: str = "topk", renormalize: bool = True, jitter_noise: float = 0.0,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, dropout: float = 0.0,
-                 impl: str = "auto", ep_group=None, device=None, dtype=None):
+                 impl: str = "auto", ep_group=None, all_to_all_buffer_factor: float = 1.2,
+                 buffer_warmup_steps: int = 500, buffer_growth: float = 0.2, device=None, dtype=None):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"ExpertMaskedMoE: num_experts must be >= 1, got {num_experts}")
@@ -180,6 +249,7 @@ class ExpertMaskedMoE(nn.Module):
             raise ValueError(f"ExpertMaskedMoE: num_experts={num_experts} is not divisible by the expert-parallel "
                              f"size {self.ep_size}; choose an ep_size that divides the number of experts")
         self.num_local_experts = num_experts // self.ep_size
+        self.receive_buffer = ReceiveBuffer(all_to_all_buffer_factor, buffer_warmup_steps, buffer_growth)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, mode=router_mode, renormalize=renormalize,
                                device=device, dtype=dtype)
         self.experts = StackedExperts(hidden_size, intermediate_size, self.num_local_experts, device=device,
@@ -235,7 +305,11 @@ class ExpertMaskedMoE(nn.Module):
         dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=self.ep_group)
         in_splits = send_RL.sum(1).tolist()   # host sync: the split sizes of the variable all-to-all
         out_splits = recv_RL.sum(1).tolist()
-        x_recv = _AllToAll.apply(x_PH, out_splits, in_splits, self.ep_group)
+        # the gather below is the only reader of x_recv (it saves indices, not x_recv), so the buffer is
+        # free for the next layer call as soon as it returns
+        pairs = x_PH.shape[0]
+        x_recv = _AllToAll.apply(x_PH, out_splits, in_splits, self.ep_group,
+                                 lambda rows: self.receive_buffer.take(rows, pairs, ep, x_PH))
 
         expert_of_row = torch.repeat_interleave(
             torch.arange(local, device=x_PH.device).repeat(ep), recv_RL.reshape(-1))

@@ -108,3 +108,69 @@ def _bad_divisor_worker(rank, port, out_dir):
                 f.write(str(err))
     finally:
         dist.destroy_process_group()
+
+
+def _buffer_worker(rank, port, seed, out_dir):
+    import warnings
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        full = _full_model(seed, skew=False)
+        tokens = [40, 40]
+        xs, dys = _inputs(2, tokens, seed)
+        results = {}
+        for name, kwargs in {"tiny": {"all_to_all_buffer_factor": 0.01, "buffer_warmup_steps": 0},
+                             "steady": {"buffer_warmup_steps": 3}}.items():
+            moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_group=dist.group.WORLD, **kwargs)
+            with torch.no_grad():
+                moe.gate.weight.copy_(full.gate.weight)
+                moe.experts.gate_up_proj.copy_(full.experts.gate_up_proj[rank * 4:(rank + 1) * 4])
+                moe.experts.down_proj.copy_(full.experts.down_proj[rank * 4:(rank + 1) * 4])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = []
+                for _ in range(12):
+                    x = xs[rank].clone().requires_grad_()
+                    y = moe(x)
+                    (dx,) = torch.autograd.grad(y, x, dys[rank])
+                    outs.append((y.detach(), dx))
+            buf = moe.receive_buffer
+            results[name] = {"outs": outs, "warnings": [str(w.message) for w in caught],
+                             "after_warmup": buf.reallocations_after_warmup, "capacity": buf.capacity,
+                             "peak": buf.peak_rows}
+        torch.save(results, f"{out_dir}/buffers{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_receive_buffer_grows_exactly_and_stays_put_after_warmup(tmp_path):
+    seed = int(torch.randint(0, 2**31, ()))
+    mp.spawn(_buffer_worker, args=(_free_port(), seed, str(tmp_path)), nprocs=2)
+    full = _full_model(seed, skew=False)
+    xs, dys = _inputs(2, [40, 40], seed)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"buffers{rank}.pt")
+        x = xs[rank].clone().requires_grad_()
+        y = full(x)
+        (dx,) = torch.autograd.grad(y, x, dys[rank])
+        for name in ("tiny", "steady"):
+            for y_ep, dx_ep in res[name]["outs"]:   # exact on every step, before and after any growth
+                torch.testing.assert_close(y_ep, y.detach(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(dx_ep, dx, rtol=1e-5, atol=1e-6)
+        tiny = res["tiny"]
+        assert len(tiny["warnings"]) == 1 and "receive buffer grew from" in tiny["warnings"][0]
+        assert tiny["capacity"] >= tiny["peak"]
+        steady = res["steady"]
+        assert steady["warnings"] == [] and steady["after_warmup"] == 0
+        assert steady["capacity"] >= steady["peak"]
+
+
+def test_receive_buffer_rejects_bad_settings():
+    from ds_loongforge.modules.moe import ReceiveBuffer
+
+    with pytest.raises(ValueError, match="all_to_all_buffer_factor must be > 0, got 0"):
+        ReceiveBuffer(factor=0)
+    with pytest.raises(ValueError, match="buffer_growth must be > 0, got -0.1"):
+        ReceiveBuffer(growth=-0.1)
+    with pytest.raises(ValueError, match="buffer_warmup_steps must be >= 0, got -1"):
+        ReceiveBuffer(warmup_steps=-1)
