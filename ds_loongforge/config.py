@@ -6,7 +6,7 @@ typo never silently turns an optimization off.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,6 +20,30 @@ class FusedKernelsConfig(_Section):
     swiglu: bool = Field(True, description="Replace SwiGLU MLPs with one gate_up GEMM + the fused SwiGLU(+dropout) kernel.")
 
 
+class MoEConfig(_Section):
+    expert_masked: bool = Field(True, description="Replace MoE blocks with ExpertMaskedMoE (only experts that got "
+                                "tokens compute; dropless).")
+    router: Literal["topk", "sampled"] = Field("topk", description="topk: the K most probable experts. sampled: "
+                                               "K experts drawn without replacement from the softmax in training, "
+                                               "top-k in eval.")
+    aux_loss_coef: float = Field(0.01, ge=0, description="Coefficient of the Switch/GShard load-balancing loss.")
+    z_loss_coef: float = Field(0.001, ge=0, description="Coefficient of the router z-loss.")
+    ep_size: int = Field(1, ge=1, description="Expert-parallel group size; must divide the world size and the "
+                         "number of experts.")
+    all_to_all_buffer_factor: float = Field(1.2, gt=0, description="Receive buffers start at ceil(factor * tokens "
+                                            "* k / ep_size) rows.")
+    buffer_warmup_steps: int = Field(500, ge=0, description="Forwards over which buffers calibrate to the observed "
+                                     "peak; later growth warns once.")
+    buffer_growth: float = Field(0.2, gt=0, description="Fraction by which a buffer grows when a step would "
+                                 "overflow it (never a dropped token).")
+
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The ExpertMaskedMoE keyword arguments this section sets."""
+        return {"router_mode": self.router, "aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef,
+                "all_to_all_buffer_factor": self.all_to_all_buffer_factor,
+                "buffer_warmup_steps": self.buffer_warmup_steps, "buffer_growth": self.buffer_growth}
+
+
 class LoongForgeConfig(_Section):
     enabled: bool = Field(False, description="Master switch: nothing is changed unless this is true.")
     strict_ops: bool = Field(
@@ -28,6 +52,7 @@ class LoongForgeConfig(_Section):
         "reference. The environment variable LOONGFORGE_STRICT_OPS=1 does the same.")
     fused_kernels: FusedKernelsConfig = Field(default_factory=FusedKernelsConfig,
                                               description="Which fused kernels to use.")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="The expert-masked MoE layer.")
 
 
 class LoongForgeConfigError(ValueError):

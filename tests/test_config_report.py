@@ -56,3 +56,18 @@ def test_example_configs_parse():
     for path in configs:
         cfg = parse_config(json.loads(path.read_text()))
         assert cfg.enabled, path.name
+
+
+def test_moe_section_defaults_validation_and_layer_kwargs():
+    from ds_loongforge.modules.moe import ExpertMaskedMoE
+
+    moe = parse_config({"loongforge": {"enabled": True}}).moe
+    assert moe.all_to_all_buffer_factor == 1.2 and moe.buffer_warmup_steps == 500 and moe.buffer_growth == 0.2
+    layer = ExpertMaskedMoE(8, 8, 4, 2, **moe.layer_kwargs())
+    assert layer.receive_buffer.factor == 1.2 and layer.gate.mode == "topk" and layer.aux_loss_coef == 0.01
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.moe\.all_to_all_buffer_factor = 0.*greater than 0"):
+        parse_config({"loongforge": {"moe": {"all_to_all_buffer_factor": 0}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.moe\.router = 'random'"):
+        parse_config({"loongforge": {"moe": {"router": "random"}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.moe\.ep_size = 0"):
+        parse_config({"loongforge": {"moe": {"ep_size": 0}}})
