@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -171,7 +170,6 @@ class LoongForgeBuilderMixin:
         saved_jit_mode = self.jit_mode
         self.jit_mode = True  # CUDA arch flags then come from torch (LFCUDAOpBuilder.compute_capability_args)
         self.build_for_cpu = not self.is_cuda_op
-        start = time.time()
         try:
             module = load(name=self.NAME,
                           sources=self.sources(),
@@ -187,7 +185,6 @@ class LoongForgeBuilderMixin:
                                _likely_fix(output, self.is_cuda_op), _tail(output)) from err
         finally:
             self.jit_mode = saved_jit_mode
-        self.last_build_seconds = time.time() - start
         return module
 
 

@@ -4,11 +4,7 @@
 namespace loongforge {
 
 at::Tensor swiglu_fwd_cuda(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset) {
-    LF_CHECK_CUDA(gate_up);
-    LF_CHECK_ROWS(gate_up);
-    LF_CHECK_FLOATING(gate_up);
-    TORCH_CHECK(gate_up.size(1) % 2 == 0, "swiglu: the last dimension holds [gate | up] and must be "
-                "even, got ", gate_up.size(1));
+    check_swiglu_fwd_args(gate_up, p, c10::DeviceType::CUDA);
     const DropoutArgs d = make_dropout_args(p, seed, offset);
     const c10::cuda::CUDAGuard guard(gate_up.device());
     const int64_t rows = gate_up.size(0);

@@ -5,15 +5,7 @@ namespace loongforge {
 
 at::Tensor swiglu_bwd_cuda(const at::Tensor& dout, const at::Tensor& gate_up, double p, int64_t seed,
                            int64_t offset) {
-    LF_CHECK_CUDA(gate_up);
-    LF_CHECK_CUDA(dout);
-    LF_CHECK_ROWS(gate_up);
-    LF_CHECK_CONTIGUOUS(dout);
-    TORCH_CHECK(gate_up.size(1) % 2 == 0, "swiglu: the last dimension holds [gate | up] and must be "
-                "even, got ", gate_up.size(1));
-    LF_CHECK_SHAPE(dout, gate_up.size(0), gate_up.size(1) / 2);
-    TORCH_CHECK(dout.scalar_type() == gate_up.scalar_type(), "swiglu_bwd: grad dtype ",
-                dout.scalar_type(), " differs from input dtype ", gate_up.scalar_type());
+    check_swiglu_bwd_args(dout, gate_up, p, c10::DeviceType::CUDA);
     const DropoutArgs d = make_dropout_args(p, seed, offset);
     const c10::cuda::CUDAGuard guard(gate_up.device());
     const int64_t rows = gate_up.size(0);

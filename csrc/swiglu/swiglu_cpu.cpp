@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "lf_common.h"
+#include "swiglu_checks.h"
 
 namespace loongforge {
 namespace {
@@ -27,19 +27,10 @@ struct MaskRow {
     }
 };
 
-void check_common(const at::Tensor& gate_up, double p) {
-    LF_CHECK_CPU(gate_up);
-    LF_CHECK_ROWS(gate_up);
-    LF_CHECK_FLOATING(gate_up);
-    TORCH_CHECK(gate_up.size(1) % 2 == 0, "swiglu: the last dimension holds [gate | up] and must be "
-                "even, got ", gate_up.size(1));
-    TORCH_CHECK(p >= 0.0 && p < 1.0, "swiglu_dropout: p must be in [0, 1), got ", p);
-}
-
 }  // namespace
 
 at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset) {
-    check_common(gate_up, p);
+    check_swiglu_fwd_args(gate_up, p, c10::DeviceType::CPU);
     const int64_t rows = gate_up.size(0);
     const int64_t inter = gate_up.size(1) / 2;
     auto out = at::empty({rows, inter}, gate_up.options());
@@ -71,12 +62,7 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int
 
 at::Tensor swiglu_bwd_cpu(const at::Tensor& dout, const at::Tensor& gate_up, double p, int64_t seed,
                           int64_t offset) {
-    check_common(gate_up, p);
-    LF_CHECK_CPU(dout);
-    LF_CHECK_CONTIGUOUS(dout);
-    LF_CHECK_SHAPE(dout, gate_up.size(0), gate_up.size(1) / 2);
-    TORCH_CHECK(dout.scalar_type() == gate_up.scalar_type(), "swiglu_bwd: grad dtype ",
-                dout.scalar_type(), " differs from input dtype ", gate_up.scalar_type());
+    check_swiglu_bwd_args(dout, gate_up, p, c10::DeviceType::CPU);
     const int64_t rows = gate_up.size(0);
     const int64_t inter = gate_up.size(1) / 2;
     auto dgate_up = at::empty({rows, 2 * inter}, gate_up.options());

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "lf_cuda_utils.cuh"
+#include "swiglu_checks.h"
 
 namespace loongforge {
 namespace {
@@ -109,8 +110,8 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// p was checked to lie in [0, 1) by check_swiglu_*_args.
 DropoutArgs make_dropout_args(double p, int64_t seed, int64_t offset) {
-    TORCH_CHECK(p >= 0.0 && p < 1.0, "swiglu_dropout: p must be in [0, 1), got ", p);
     return DropoutArgs{static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
                        keep_threshold_from_p(p), static_cast<float>(1.0 / (1.0 - p))};
 }

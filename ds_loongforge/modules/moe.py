@@ -101,9 +101,6 @@ class ReceiveBuffer:
             self._allocate(grown, like)
         return self.buffer[:rows]
 
-    def fill_fraction(self, rows: int) -> float:
-        return rows / self.capacity if self.capacity else 0.0
-
 
 @dataclass
 class RoutingStats:
