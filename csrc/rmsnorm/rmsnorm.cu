@@ -42,9 +42,6 @@ std::vector<at::Tensor> rmsnorm_fwd_cuda(const at::Tensor& x,
                     max_grid, (rows + plan.rows_per_block - 1) / plan.rows_per_block);
                 constexpr int VF = 16 / sizeof(T);
                 dispatch_vpt<VF>(plan.vpt, [&]<int V, int VPT>() {
-                    TORCH_CHECK(plan.tpr * plan.rows_per_block <= max_threads_for_vpt<VPT>(),
-                                "rmsnorm: internal error, block of ", plan.tpr * plan.rows_per_block,
-                                " threads exceeds the kernel's launch bound");
                     if (has_res) {
                         rmsnorm_fwd_kernel<T, W, V, VPT, true><<<blocks, block, 0, stream>>>(
                             xp, x.stride(0), rp, rs, wp, y.data_ptr<T>(), hp,

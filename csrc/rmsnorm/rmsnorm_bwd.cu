@@ -44,9 +44,6 @@ std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor&
                 const int64_t row_groups = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
                 constexpr int VF = 16 / sizeof(T);
                 dispatch_vpt<VF>(plan.vpt, [&]<int V, int VPT>() {
-                    TORCH_CHECK(plan.tpr * plan.rows_per_block <= max_threads_for_vpt<VPT>(),
-                                "rmsnorm: internal error, block of ", plan.tpr * plan.rows_per_block,
-                                " threads exceeds the kernel's launch bound");
                     auto run = [&](auto kernel) {
                         const int64_t blocks =
                             blocks_for(kernel, plan.tpr * plan.rows_per_block, row_groups);

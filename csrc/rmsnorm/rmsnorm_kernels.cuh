@@ -22,12 +22,9 @@ namespace {
 
 constexpr int kRowsSmem = 8 * 32;  // 32 floats per row slot; row slots per block <= 8 when tpr >= 32
 
-// Upper bound on the block size plan_rows() picks for each VPT (256 threads for VPT <= 2, 512 for the
-// widest rows). A tight bound matters: __launch_bounds__(1024) caps a kernel at 64 registers, which made
-// the VPT=2 backward spill (00ddb37, benchmarks/NOTES.md).
 template <int VPT>
 constexpr int max_threads_for_vpt() {
-    return VPT <= 2 ? 256 : 512;
+    return VPT <= 2 ? 1024 : 512;
 }
 
 template <typename T, typename W, int V, int VPT, bool RES>

@@ -98,8 +98,12 @@ def test_rmsnorm_cuda_equals_cpu_kernel(dtype):
     w = torch.randn(2880, dtype=dtype)
     y_cpu = fused_rmsnorm(x, w, impl="cpu")
     y_cuda = fused_rmsnorm(x.cuda(), w.cuda(), impl="cuda").cpu()
-    # same fp32 formula; only summation order differs, so at most one rounding step apart
-    torch.testing.assert_close(y_cuda, y_cpu, rtol=torch.finfo(dtype).eps * 2, atol=torch.finfo(dtype).eps * 4)
+    # Same fp32 formula; only the summation order of the row's sum of squares differs. Two orders of a
+    # 2880-term fp32 sum differ by up to ~log2(2880) ulp in the worst case (3 ulp seen on the H200, seed
+    # 402699454), which reaches y relatively; a 16-bit output absorbs that and is at most one of its own
+    # rounding steps apart.
+    rtol = 16 * torch.finfo(torch.float32).eps if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(y_cuda, y_cpu, rtol=rtol, atol=torch.finfo(dtype).eps * 4)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
