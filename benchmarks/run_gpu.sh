@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, JIT-build the CUDA ops cold (timed) and cached (timed),
-# loongforge_report --verify, the GPU tests, and the benchmark. Everything lands in $OUT.
+# loongforge_report --verify, the GPU tests, and the benchmarks. Everything lands in $OUT.
 #
 #   here:   see shared/BENCHMARKS.md to fill .whl/ (DeepSpeed, pydantic, hjson, liger-kernel wheels)
-#   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmark)
+#   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 set -uo pipefail
 OUT=${OUT:-/tmp/lf_out}
 mkdir -p "$OUT"
@@ -55,3 +55,8 @@ python3 -m pytest tests -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee
 [ "${LF_BENCH:-1}" = 1 ] || exit 0   # LF_BENCH=0: build, verify and GPU tests only
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
 python3 -m benchmarks.profile_ops 2>&1 | grep -v Warning > "$OUT/profile.log"; tail -22 "$OUT/profile.log"
+# MoE layer (issue 3): ours vs HF Mixtral (grouped_mm, eager), DeepSpeed MoE and AutoEP. The device returns at
+# most 8 files and the steps above write 7, so its log, JSON and markdown come back as one tar.
+rm -rf /tmp/lf_moe && mkdir -p /tmp/lf_moe
+python3 -m benchmarks.bench_moe --out /tmp/lf_moe 2>&1 | tee /tmp/lf_moe/bench_moe.log | tail -50
+tar -C /tmp/lf_moe -cf "$OUT/bench_moe.tar" .
