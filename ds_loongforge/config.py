@@ -36,12 +36,17 @@ class MoEConfig(_Section):
                                      "peak; later growth warns once.")
     buffer_growth: float = Field(0.2, gt=0, description="Fraction by which a buffer grows when a step would "
                                  "overflow it (never a dropped token).")
+    overlap_chunks: int = Field(2, ge=1, description="Expert parallel: local experts are split into this many "
+                                "groups, each sent by its own async all-to-all, so experts start on chunk 0 "
+                                "while chunk 1 is in flight (capped at the number of local experts; 1 = no "
+                                "overlap).")
 
     def layer_kwargs(self) -> dict[str, Any]:
         """The ExpertMaskedMoE keyword arguments this section sets."""
         return {"router_mode": self.router, "aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef,
                 "all_to_all_buffer_factor": self.all_to_all_buffer_factor,
-                "buffer_warmup_steps": self.buffer_warmup_steps, "buffer_growth": self.buffer_growth}
+                "buffer_warmup_steps": self.buffer_warmup_steps, "buffer_growth": self.buffer_growth,
+                "overlap_chunks": self.overlap_chunks}
 
 
 class LoongForgeConfig(_Section):

@@ -71,3 +71,7 @@ def test_moe_section_defaults_validation_and_layer_kwargs():
         parse_config({"loongforge": {"moe": {"router": "random"}}})
     with pytest.raises(LoongForgeConfigError, match=r"loongforge\.moe\.ep_size = 0"):
         parse_config({"loongforge": {"moe": {"ep_size": 0}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.moe\.overlap_chunks = 0"):
+        parse_config({"loongforge": {"moe": {"overlap_chunks": 0}}})
+    layer = ExpertMaskedMoE(8, 8, 4, 2, **parse_config({"loongforge": {"moe": {"overlap_chunks": 3}}}).moe.layer_kwargs())
+    assert layer.chunk_bounds == [(0, 1), (1, 3), (3, 4)]

@@ -4,11 +4,12 @@ Legend (shape suffixes): T tokens, H hidden, I expert intermediate size, E exper
 P = T*K token-expert pairs in expert-major order.
 
     x_TH -> router: logits_TE -> softmax (fp32) -> top-k (or sampled k) -> ids_TK, weights_TK
-         -> permute: stable sort of the P pairs by expert, gather x rows            x_PH
+         -> routing_indices: stable sort of the P pairs by expert (order_P, slot_TK, counts; no sync)
+         -> fused permute kernel: gather x rows into expert-major order              x_PH
          -> grouped GEMM gate_up [E, 2I, H] over the per-expert row groups          h_P(2I)
          -> fused SwiGLU (+dropout)                                                 a_PI
          -> grouped GEMM down [E, H, I]                                             y_PH
-         -> unpermute: each token gathers its K rows, weighted sum in fp32          out_TH
+         -> fused unpermute kernel: each token gathers its K rows, weighted sum in fp32  out_TH
 
 Dropless: every token reaches its K experts. Experts that got no tokens form empty groups: they do no
 work and their weight gradients are zeros (never None). The combine gathers instead of scattering with
@@ -18,18 +19,22 @@ atomics, so results are deterministic. Parameter names equal transformers' Mixtr
 Expert parallelism (``ep_group``): each rank of the group holds E / ep_size consecutive experts and the
 whole router. After routing, every rank sends each token-expert pair to the rank owning the expert with
 one variable-size all-to-all (no padding to a capacity), the owners run their experts on what arrived,
-and a second all-to-all returns the results, which are combined as above. The split sizes are exchanged
-first and read on the host (one sync per layer). Rows arrive in a pre-allocated receive buffer
-(ReceiveBuffer): ceil(factor * T * K / ep_size) rows at first, calibrated to the observed peak at the
-end of a warm-up window, grown by ``growth`` with one warning when a step needs more; never a crash or a
-dropped token. Chunked overlap of communication with expert compute, the fused permute/unpermute
-kernels and DeepSpeed's MoE parameter groups are the remaining parts of this layer's issue.
+and a second all-to-all returns the results, which are combined as above. The local experts are split
+into ``overlap_chunks`` groups, each exchanged by its own async all-to-all: all dispatches start at
+once, experts run on chunk 0 while chunk 1 is in flight, and each chunk's results start back before
+the next chunk computes (backward mirrors it). The split sizes are exchanged first and read on the host:
+one sync per layer forward, none in backward. It stays because all_to_all_single (NCCL, gloo) takes
+host split sizes; removing it needs a device-side-split all-to-all (NVSHMEM symmetric memory), which
+the design leaves for later. Rows arrive in a pre-allocated receive buffer (ReceiveBuffer):
+ceil(factor * T * K / ep_size) rows at first, calibrated to the observed peak at the end of a warm-up
+window, grown by ``growth`` with one warning when a step needs more; never a crash or a dropped token.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -38,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ds_loongforge.ops.moe_dispatch import moe_permute, moe_unpermute, routing_indices
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
 ROUTER_MODES = ("topk", "sampled")
@@ -177,39 +183,105 @@ def _grouped_mm_supported(x: torch.Tensor, w_EOI: torch.Tensor) -> bool:
     return (x.shape[-1] * elem) % 16 == 0 and (w_EOI.shape[1] * elem) % 16 == 0
 
 
-def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
+
+
+def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                  mode: str = "auto", counts: list[int] | None = None) -> torch.Tensor:
     """Rows of x_PI grouped by expert (expert-major, group sizes tokens_per_expert_E) times each group's
-    w_EOI[e].T: a grouped GEMM where torch has one, else a loop over the experts that got tokens."""
-    if _grouped_mm_supported(x_PI, w_EOI):
+    w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported). ``loop``: one
+    GEMM per expert that got tokens, from ``counts`` (host copy of the sizes; read here if not given: a
+    host sync)."""
+    if mode not in EXPERT_COMPUTE:
+        raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {mode!r}")
+    if mode == "grouped_mm" and not _grouped_mm_supported(x_PI, w_EOI):
+        raise ValueError(f"expert_compute='grouped_mm' is not supported for {x_PI.dtype} on {x_PI.device} with "
+                         f"rows of {x_PI.shape[-1]} and {w_EOI.shape[1]} elements (torch {torch.__version__} "
+                         "needs F.grouped_mm, bf16 on CUDA, 16-byte aligned rows); use 'auto' or 'loop'")
+    if mode != "loop" and _grouped_mm_supported(x_PI, w_EOI):
         offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
-    out = x_PI.new_empty(x_PI.shape[0], w_EOI.shape[1])
-    start = 0
-    for e, n in enumerate(tokens_per_expert_E.tolist()):  # host sync: fallback path only
+    if counts is None:
+        counts = tokens_per_expert_E.tolist()  # host sync
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
         if n:
-            out[start:start + n] = x_PI[start:start + n] @ w_EOI[e].t()
+            pieces.append(x_PI[start:start + n] @ w_EOI[e].t())
             start += n
-    return out
+    if not pieces:
+        return x_PI[:0] @ w_EOI[0].t()  # no rows: an empty product keeps x and the weights in the graph
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Variable-size all-to-all whose backward sends the gradients back the way the rows came."""
+class _Exchange:
+    """One variable-size all-to-all in flight (forward) and its reverse (backward), shared by the two
+    autograd nodes below so that a wait can sit apart from its launch and other work runs in between."""
+
+    def __init__(self, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+        self.out, self.out_splits, self.in_splits, self.group = out, out_splits, in_splits, group
+        self.work = None       # forward exchange in flight
+        self.grad_in = None    # backward: gradient rows arriving for the sender
+        self.back_work = None  # backward exchange in flight
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Launch ``x`` -> ``xchg.out`` (rows ``sum(out_splits)``; may be a pre-allocated buffer view) with
+    ``async_op=True``; ``_WaitAllToAll`` makes the stream wait for it. In backward the roles swap:
+    _WaitAllToAll.backward launches the reverse exchange, this node's backward waits for it."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, allocate=None):
-        """``allocate(rows)`` supplies the receive tensor (a pre-allocated buffer); default: a new one."""
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        rows = sum(out_splits)
-        out = allocate(rows) if allocate is not None else x.new_empty(rows, *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+    def forward(ctx, x, xchg):
+        ctx.xchg = xchg
+        xchg.work = dist.all_to_all_single(xchg.out, x.contiguous(), xchg.out_splits, xchg.in_splits,
+                                           group=xchg.group, async_op=True)
+        return xchg.out
+
+    @staticmethod
+    def backward(ctx, _grad_passthrough):
+        xchg = ctx.xchg
+        xchg.back_work.wait()
+        grad_in = xchg.grad_in
+        xchg.back_work = xchg.grad_in = None
+        return grad_in, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, xchg):
+        ctx.xchg = xchg
+        xchg.work.wait()  # NCCL: the current stream waits (no host block); gloo: the host waits
+        xchg.work = None
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad_out.new_empty(sum(in_splits), *grad_out.shape[1:])
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None, None
+        xchg = ctx.xchg
+        grad_out = grad_out.contiguous()
+        xchg.grad_in = grad_out.new_empty(sum(xchg.in_splits), *grad_out.shape[1:])
+        xchg.back_work = dist.all_to_all_single(xchg.grad_in, grad_out, xchg.in_splits, xchg.out_splits,
+                                                group=xchg.group, async_op=True)
+        return grad_out, None  # placeholder; _StartAllToAll.backward returns the exchanged gradient
+
+
+def all_to_all_start(x: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                     group) -> tuple[torch.Tensor, _Exchange]:
+    """Start a differentiable variable-size all-to-all of the rows of ``x`` into ``out``; finish it with
+    :func:`all_to_all_wait` before reading the result. Backward runs the reverse exchange, also async."""
+    xchg = _Exchange(out, out_splits, in_splits, group)
+    pending = _StartAllToAll.apply(x, xchg)
+    xchg.out = None  # the autograd output owns the rows now
+    return pending, xchg
+
+
+def all_to_all_wait(pending: torch.Tensor, xchg: _Exchange) -> torch.Tensor:
+    return _WaitAllToAll.apply(pending, xchg)
+
+
+def chunk_bounds(num_local_experts: int, chunks: int) -> list[tuple[int, int]]:
+    """Split the local experts into at most ``chunks`` contiguous, near-equal groups [lo, hi)."""
+    chunks = max(1, min(chunks, num_local_experts))
+    edges = [round(c * num_local_experts / chunks) for c in range(chunks + 1)]
+    return [(edges[c], edges[c + 1]) for c in range(chunks)]
 
 
 class ExpertMaskedMoE(nn.Module):
@@ -223,8 +295,10 @@ class ExpertMaskedMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  router_mode: str = "topk", renormalize: bool = True, jitter_noise: float = 0.0,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, dropout: float = 0.0,
-                 impl: str = "auto", ep_group=None, all_to_all_buffer_factor: float = 1.2,
-                 buffer_warmup_steps: int = 500, buffer_growth: float = 0.2, device=None, dtype=None):
+                 impl: str = "auto", ep_group=None, ep_size: int | None = None,
+                 all_to_all_buffer_factor: float = 1.2,
+                 buffer_warmup_steps: int = 500, buffer_growth: float = 0.2, overlap_chunks: int = 2,
+                 expert_compute: str = "auto", device=None, dtype=None):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"ExpertMaskedMoE: num_experts must be >= 1, got {num_experts}")
@@ -240,13 +314,30 @@ class ExpertMaskedMoE(nn.Module):
         self.jitter_noise, self.aux_loss_coef, self.z_loss_coef = jitter_noise, aux_loss_coef, z_loss_coef
         self.dropout, self.impl = dropout, impl
         self.ep_group = ep_group
-        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        if ep_group is not None:
+            if ep_size is not None and ep_size != dist.get_world_size(ep_group):
+                raise ValueError(f"ExpertMaskedMoE: ep_size={ep_size} but ep_group has "
+                                 f"{dist.get_world_size(ep_group)} ranks; pass one of them")
+            ep_size = dist.get_world_size(ep_group)
+        elif ep_size is not None and ep_size < 1:
+            raise ValueError(f"ExpertMaskedMoE: ep_size must be >= 1, got {ep_size}")
+        self.ep_size = ep_size or 1  # ep_size without ep_group: the group is bound later (moe_deepspeed)
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         if num_experts % self.ep_size:
             raise ValueError(f"ExpertMaskedMoE: num_experts={num_experts} is not divisible by the expert-parallel "
                              f"size {self.ep_size}; choose an ep_size that divides the number of experts")
         self.num_local_experts = num_experts // self.ep_size
         self.receive_buffer = ReceiveBuffer(all_to_all_buffer_factor, buffer_warmup_steps, buffer_growth)
+        if overlap_chunks < 1:
+            raise ValueError(f"ExpertMaskedMoE: overlap_chunks must be >= 1, got {overlap_chunks}")
+        self.chunk_bounds = chunk_bounds(self.num_local_experts, overlap_chunks)
+        chunk_of_local = [c for c, (lo, hi) in enumerate(self.chunk_bounds) for _ in range(lo, hi)]
+        self.register_buffer("_chunk_of_local_L", torch.tensor(chunk_of_local, dtype=torch.long, device=device),
+                             persistent=False)
+        self.split_sync_seconds = 0.0  # host time spent waiting for the split sizes (expert-parallel only)
+        if expert_compute not in EXPERT_COMPUTE:
+            raise ValueError(f"ExpertMaskedMoE: expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
+        self.expert_compute = expert_compute
         self.gate = TopKRouter(hidden_size, num_experts, top_k, mode=router_mode, renormalize=renormalize,
                                device=device, dtype=dtype)
         self.experts = StackedExperts(hidden_size, intermediate_size, self.num_local_experts, device=device,
@@ -264,56 +355,119 @@ class ExpertMaskedMoE(nn.Module):
         num_tokens, k = x_TH.shape[0], self.top_k
 
         logits_TE, probs_TE, weights_TK, ids_TK = self.gate(x_TH)
-        ids_P = ids_TK.reshape(-1)
-        order_P = torch.argsort(ids_P, stable=True)             # expert-major, token order within an expert
-        tokens_per_expert_E = torch.bincount(ids_P, minlength=self.num_experts)
-        x_PH = x_TH[order_P // k]
+        order_P, slot_TK, tokens_per_expert_E = self._routing_indices(ids_TK)
+        x_PH = moe_permute(x_TH, order_P, slot_TK, impl=self.impl)
 
         if self.ep_size == 1:
             y_PH = self._experts(x_PH, tokens_per_expert_E)
+        elif self.ep_group is None:
+            raise RuntimeError(f"ExpertMaskedMoE: ep_size={self.ep_size} but no expert-parallel group is bound; "
+                               "pass ep_group, or use moe_deepspeed.DeepSpeedExpertMaskedMoE")
         else:
             y_PH = self._experts_parallel(x_PH, tokens_per_expert_E)
 
-        slot_P = torch.empty_like(order_P)
-        slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-        y_TKH = y_PH[slot_P].view(num_tokens, k, self.hidden_size)
-        out_TH = (y_TKH.float() * weights_TK.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
+        out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=self.impl)
 
         self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k)
         if self.training:
             self.aux_loss = self._aux_loss(logits_TE, probs_TE, tokens_per_expert_E, num_tokens)
         return out_TH.view(shape)
 
-    def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """The local experts on expert-major rows."""
-        gate_up_P2I = expert_matmul(x_PH, self.experts.gate_up_proj, tokens_per_expert_E)
+    def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor, lo: int = 0,
+                 hi: int | None = None) -> torch.Tensor:
+        """Local experts lo..hi-1 on expert-major rows (group sizes tokens_per_expert_E)."""
+        counts = tokens_per_expert_E.tolist() if self._use_loop(x_PH) else None  # loop: one host sync
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if lo != 0 or (hi is not None and hi != gate_up.shape[0]):
+            # a chunk of the experts (expert parallel); the whole stack is used unsliced, since slicing a
+            # parameter costs a zero-filled full-size gradient plus a copy in backward (~2 ms at Mixtral size)
+            gate_up, down = gate_up[lo:hi], down[lo:hi]
+        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
-        return expert_matmul(act_PI, self.experts.down_proj, tokens_per_expert_E)
+        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts)
+
+    def _use_loop(self, x_PH: torch.Tensor) -> bool:
+        if self.expert_compute != "auto":
+            return self.expert_compute == "loop"
+        act = x_PH.new_empty(0, self.intermediate_size)
+        return not (_grouped_mm_supported(x_PH, self.experts.gate_up_proj)
+                    and _grouped_mm_supported(act, self.experts.down_proj))
+
+    def _routing_indices(self, ids_TK: torch.Tensor):
+        """(order_P, slot_TK, tokens_per_expert_E) for the permute/unpermute ops, in _dispatch_key order.
+        No host sync, no atomics: counts come from the run boundaries of the sorted keys (torch.bincount
+        would read the largest id back to the host on CUDA)."""
+        if self.ep_group is None or len(self.chunk_bounds) == 1:
+            return routing_indices(ids_TK, self.num_experts)
+        key_P = self._dispatch_key(ids_TK.reshape(-1))
+        order_P = torch.argsort(key_P, stable=True)
+        slot_P = torch.empty_like(order_P)
+        slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+        sorted_P = key_P[order_P]
+        key_E = self._dispatch_key(torch.arange(self.num_experts, device=ids_TK.device))
+        tokens_per_expert_E = (torch.searchsorted(sorted_P, key_E, right=True)
+                               - torch.searchsorted(sorted_P, key_E))
+        return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E
+
+    def _dispatch_key(self, ids_P: torch.Tensor) -> torch.Tensor:
+        """Sort key of the token-expert pairs. Local: the expert id (expert-major). Expert-parallel with C
+        chunks: (chunk of the expert on its owner, owner rank, expert), so that each chunk's rows for
+        every destination are one contiguous run and a chunk is sent with one all-to-all."""
+        if self.ep_group is None or len(self.chunk_bounds) == 1:
+            return ids_P
+        return self._chunk_of_local_L[ids_P % self.num_local_experts] * self.num_experts + ids_P
 
     def _experts_parallel(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """Send each pair to the rank owning its expert, run the local experts, send the results back.
 
-        R = ep_size ranks, L = local experts per rank; rows arrive source-rank-major, expert-major within
-        a source, and are regrouped expert-major (source order within an expert) for the grouped GEMM.
+        R = ep_size ranks, L = local experts per rank, C = len(chunk_bounds) groups of local experts.
+        Rows of x_PH are in _dispatch_key order (chunk-major). All C dispatch exchanges are launched at
+        once (async); chunk c's experts run as soon as chunk c has arrived, while later chunks are still
+        in flight, and chunk c's results start back (async) before chunk c+1 computes. Backward mirrors
+        this: each reverse exchange is launched where its forward waited and awaited where it started.
+        Arriving rows are source-rank-major, expert-major within a source; they are regrouped
+        expert-major (source order within an expert) for the grouped GEMM.
         """
-        ep, local = self.ep_size, self.num_local_experts
+        ep, local, bounds = self.ep_size, self.num_local_experts, self.chunk_bounds
         send_RL = tokens_per_expert_E.view(ep, local)
         recv_RL = torch.empty_like(send_RL)
         dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=self.ep_group)
-        in_splits = send_RL.sum(1).tolist()   # host sync: the split sizes of the variable all-to-all
-        out_splits = recv_RL.sum(1).tolist()
-        # the gather below is the only reader of x_recv (it saves indices, not x_recv), so the buffer is
-        # free for the next layer call as soon as it returns
-        pairs = x_PH.shape[0]
-        x_recv = _AllToAll.apply(x_PH, out_splits, in_splits, self.ep_group,
-                                 lambda rows: self.receive_buffer.take(rows, pairs, ep, x_PH))
+        send_CR = torch.stack([send_RL[:, lo:hi].sum(1) for lo, hi in bounds])
+        recv_CR = torch.stack([recv_RL[:, lo:hi].sum(1) for lo, hi in bounds])
+        # The one host sync of the layer (forward only; backward reuses the splits): all_to_all_single
+        # takes split sizes as host integers. Everything queued above overlaps the wait.
+        t0 = time.perf_counter()
+        split_list = torch.cat([send_CR.reshape(-1), recv_CR.reshape(-1)]).tolist()
+        self.split_sync_seconds += time.perf_counter() - t0
+        n = len(bounds) * ep
+        send_splits = [split_list[c * ep:(c + 1) * ep] for c in range(len(bounds))]
+        recv_splits = [split_list[n + c * ep:n + (c + 1) * ep] for c in range(len(bounds))]
 
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=x_PH.device).repeat(ep), recv_RL.reshape(-1))
-        order = torch.argsort(expert_of_row, stable=True)
-        y_local = self._experts(x_recv[order], recv_RL.sum(0))
-        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
-        return _AllToAll.apply(y_recv, in_splits, out_splits, self.ep_group)
+        # the gathers below are the only readers of the received rows (they save indices, not the rows),
+        # so the buffer is free for the next layer call as soon as this one returns
+        pairs = x_PH.shape[0]
+        buffer = self.receive_buffer.take(sum(map(sum, recv_splits)), pairs, ep, x_PH)
+        dispatched, s_off, r_off = [], 0, 0
+        for c in range(len(bounds)):
+            n_send, n_recv = sum(send_splits[c]), sum(recv_splits[c])
+            dispatched.append(all_to_all_start(x_PH[s_off:s_off + n_send], buffer[r_off:r_off + n_recv],
+                                               recv_splits[c], send_splits[c], self.ep_group))
+            s_off, r_off = s_off + n_send, r_off + n_recv
+
+        returned = []
+        for c, (lo, hi) in enumerate(bounds):
+            x_recv = all_to_all_wait(*dispatched[c])
+            recv_rl = recv_RL[:, lo:hi]
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(lo, hi, device=x_PH.device).repeat(ep), recv_rl.reshape(-1),
+                output_size=x_recv.shape[0])  # output_size known on the host: no sync
+            order = torch.argsort(expert_of_row, stable=True)
+            y_local = self._experts(x_recv[order], recv_rl.sum(0), lo, hi)
+            y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
+            returned.append(all_to_all_start(y_recv, y_recv.new_empty(sum(send_splits[c]), y_recv.shape[1]),
+                                             send_splits[c], recv_splits[c], self.ep_group))
+        y_chunks = [all_to_all_wait(*r) for r in returned]
+        return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 
     def _aux_loss(self, logits_TE, probs_TE, tokens_per_expert_E, num_tokens) -> torch.Tensor:
         loss = logits_TE.new_zeros((), dtype=torch.float32)

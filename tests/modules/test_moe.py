@@ -83,13 +83,16 @@ def test_bf16_within_twice_pytorch_error(impl, hidden, inter, experts, k):
         assert ours_err <= 2 * torch_err, f"{name}: {ours_err:.3e} > 2 x {torch_err:.3e}"
 
 
-def test_idle_experts_get_zero_gradients_not_none():
-    moe = ExpertMaskedMoE(16, 16, 6, 2, impl="cpu")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_idle_experts_get_zero_gradients_not_none(impl):
+    # bf16 on CUDA: torch's grouped GEMM path, whose weight gradient must write zeros for empty groups
+    dtype = torch.bfloat16 if impl == "cuda" else torch.float32
+    moe = ExpertMaskedMoE(16, 16, 6, 2, impl=impl, device=impl, dtype=dtype)
     with torch.no_grad():
         moe.gate.weight.zero_()
         moe.gate.weight[0, :] = 5.0   # with x > 0 every token picks experts 0 and 1 (1 by index tie order)
         moe.gate.weight[1, :] = 4.0
-    x = torch.rand(10, 16) + 0.1
+    x = torch.rand(10, 16, device=impl, dtype=dtype) + 0.1
     moe(x).sum().backward()
     counts = moe.last_routing.tokens_per_expert_E
     assert counts.tolist() == [10, 10, 0, 0, 0, 0]
@@ -97,6 +100,26 @@ def test_idle_experts_get_zero_gradients_not_none():
         assert p.grad is not None
         assert torch.count_nonzero(p.grad[2:]) == 0
         assert torch.count_nonzero(p.grad[:2]) > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_compute_loop_equals_grouped_mm(impl):
+    moe = ExpertMaskedMoE(16, 32, 8, 2, impl=impl, device=impl)
+    with torch.no_grad():
+        moe.gate.weight[5:] = -10.0  # experts 5..7 idle
+    x, dy = torch.randn(41, 16, device=impl), torch.randn(41, 16, device=impl)
+    results = {}
+    for mode in ("grouped_mm", "loop"):
+        if mode == "grouped_mm" and impl == "cuda":
+            continue  # torch's CUDA grouped GEMM is bf16-only; compared on the CPU
+        moe.expert_compute = mode
+        results[mode] = _run(moe, x, dy)[0]
+    if len(results) == 2:
+        for a, b in zip(results["grouped_mm"], results["loop"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    moe.expert_compute = "loop"
+    empty = _run(moe, x[:0], dy[:0])[0]   # no tokens at all: zero (not None) expert gradients
+    assert empty[0].shape == (0, 16) and all(g is not None and not g.any() for g in empty[1:])
 
 
 def test_routing_stats_dropless():
@@ -150,6 +173,8 @@ def test_aux_losses_match_their_formulas():
     ({"num_experts": 4, "top_k": 2, "router_mode": "random"}, "router mode 'random' is not one of"),
     ({"num_experts": 4, "top_k": 2, "aux_loss_coef": -1.0}, "must be >= 0"),
     ({"num_experts": 4, "top_k": 2, "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+    ({"num_experts": 4, "top_k": 2, "overlap_chunks": 0}, "overlap_chunks must be >= 1, got 0"),
+    ({"num_experts": 4, "top_k": 2, "expert_compute": "triton"}, "expert_compute must be one of"),
 ])
 def test_bad_configs_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -39,11 +39,11 @@ def _inputs(world: int, tokens: list[int], seed: int):
     return xs, dys
 
 
-def _worker(rank, world, port, seed, skew, tokens, out_dir):
+def _worker(rank, world, port, seed, skew, tokens, out_dir, chunks=2):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         full = _full_model(seed, skew)
-        moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_group=dist.group.WORLD)
+        moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_group=dist.group.WORLD, overlap_chunks=chunks)
         local = E // world
         with torch.no_grad():
             moe.gate.weight.copy_(full.gate.weight)
@@ -59,13 +59,17 @@ def _worker(rank, world, port, seed, skew, tokens, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["random", "skewed_to_rank0", "rank1_sends_nothing"])
-def test_expert_parallel_equals_single_process(world, case, tmp_path):
+CASES = ("random", "skewed_to_rank0", "rank1_sends_nothing")
+
+
+# chunks = overlap_chunks: one all-to-all per group of local experts (2 = default; 3 groups of 4 are uneven)
+@pytest.mark.parametrize("world,chunks,case", [(w, 2, c) for w in (2, 4) for c in CASES]
+                         + [(2, 1, "random"), (2, 3, "random")])
+def test_expert_parallel_equals_single_process(world, chunks, case, tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
     skew = case == "skewed_to_rank0"
     tokens = [23, 0 if case == "rank1_sends_nothing" else 17, 31, 9]
-    mp.spawn(_worker, args=(world, _free_port(), seed, skew, tokens, str(tmp_path)), nprocs=world)
+    mp.spawn(_worker, args=(world, _free_port(), seed, skew, tokens, str(tmp_path), chunks), nprocs=world)
 
     full = _full_model(seed, skew)
     xs, dys = _inputs(world, tokens, seed)
@@ -174,3 +178,16 @@ def test_receive_buffer_rejects_bad_settings():
         ReceiveBuffer(growth=-0.1)
     with pytest.raises(ValueError, match="buffer_warmup_steps must be >= 0, got -1"):
         ReceiveBuffer(warmup_steps=-1)
+
+
+def test_chunk_bounds_cover_every_local_expert_once():
+    from ds_loongforge.modules.moe import chunk_bounds
+
+    assert chunk_bounds(4, 3) == [(0, 1), (1, 3), (3, 4)]
+    assert chunk_bounds(2, 8) == [(0, 1), (1, 2)]   # never more chunks than local experts
+    assert chunk_bounds(5, 1) == [(0, 5)]
+    for local in range(1, 17):
+        for chunks in range(1, 6):
+            b = chunk_bounds(local, chunks)
+            assert b[0][0] == 0 and b[-1][1] == local and all(lo < hi for lo, hi in b)
+            assert all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
