@@ -1,10 +1,11 @@
 """DeepSpeed OpBuilder subclasses of the ds_loongforge ops (installed as ``ds_loongforge.op_builder``)."""
 
 from .builder import OpBuildError, all_builders, build_ops, csrc_root
+from .moe_dispatch import MoEDispatchBuilder, MoEDispatchCPUBuilder
 from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
 from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
 
 __all__ = [
     "OpBuildError", "all_builders", "build_ops", "csrc_root", "FusedRMSNormBuilder", "FusedRMSNormCPUBuilder",
-    "FusedSwiGLUBuilder", "FusedSwiGLUCPUBuilder",
+    "FusedSwiGLUBuilder", "FusedSwiGLUCPUBuilder", "MoEDispatchBuilder", "MoEDispatchCPUBuilder",
 ]

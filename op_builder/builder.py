@@ -299,7 +299,9 @@ def build_ops(builders: list, max_parallel: int | None = None) -> dict[str, obje
 
 
 def all_builders() -> list[OpBuilder]:
+    from .moe_dispatch import MoEDispatchBuilder, MoEDispatchCPUBuilder
     from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
     from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
 
-    return [FusedRMSNormBuilder(), FusedRMSNormCPUBuilder(), FusedSwiGLUBuilder(), FusedSwiGLUCPUBuilder()]
+    return [FusedRMSNormBuilder(), FusedRMSNormCPUBuilder(), FusedSwiGLUBuilder(), FusedSwiGLUCPUBuilder(),
+            MoEDispatchBuilder(), MoEDispatchCPUBuilder()]

@@ -1,10 +1,13 @@
 """Functional ops: each an autograd op over compiled kernels, with its PyTorch reference beside it."""
 
 from ds_loongforge.ops._dispatch import IMPLS, set_strict_ops, strict_ops
+from ds_loongforge.ops.moe_dispatch import (moe_permute, moe_permute_reference, moe_unpermute,
+                                            moe_unpermute_reference, routing_indices)
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
 __all__ = [
     "IMPLS", "set_strict_ops", "strict_ops", "fused_rmsnorm", "rmsnorm_reference", "philox_keep_mask",
-    "swiglu_dropout", "swiglu_reference",
+    "swiglu_dropout", "swiglu_reference", "moe_permute", "moe_permute_reference", "moe_unpermute",
+    "moe_unpermute_reference", "routing_indices",
 ]

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from ds_loongforge.ops.moe_dispatch import (moe_permute, moe_permute_reference, moe_unpermute,
+                                            moe_unpermute_reference, routing_indices)
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
@@ -159,6 +161,90 @@ def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: 
             for n, o, f, e in zip(["out", "dgate_up"], ours, ref, eager)]
 
 
+def random_routing(tokens: int, k: int, experts: int, device: str, generator: torch.Generator | None = None):
+    """Expert ids [T, K] from the first ceil(3E/4) experts only, so the others get no tokens (a token may
+    pick one expert twice, as when K exceeds them), and float32 softmax weights [T, K]."""
+    used = max(1, (3 * experts + 3) // 4)
+    ids_TK = torch.randint(0, used, (tokens, k), device=device, generator=generator)
+    weights_TK = torch.softmax(torch.randn(tokens, k, device=device, generator=generator), dim=-1)
+    return ids_TK, weights_TK
+
+
+def moe_permute_eager(x_TH, order_P, k):
+    """Unfused PyTorch in x's dtype (the baseline for the 2x rule): its gradient adds in x's dtype."""
+    return x_TH[order_P // k]
+
+
+def moe_unpermute_eager(y_PH, slot_TK, weights_TK):
+    """Unfused PyTorch in y's dtype (the baseline for the 2x rule)."""
+    return (y_PH[slot_TK] * weights_TK.to(y_PH.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def moe_permute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: torch.dtype, device: str, impl: str,
+                       x: torch.Tensor | None = None, generator: torch.Generator | None = None) -> list[CheckResult]:
+    """Forward and the gradient of moe_permute(impl) vs fp64, each with its 2x-PyTorch tolerance.
+
+    ``x`` [tokens, hidden] may be given (e.g. a row-strided view); otherwise it is drawn at random.
+    """
+    kw = {"device": device, "generator": generator}
+    if x is None:
+        x = torch.randn(tokens, hidden, dtype=dtype, **kw)
+    ids_TK, _ = random_routing(tokens, k, experts, device, generator)
+    order_P, slot_TK, _ = routing_indices(ids_TK, experts)
+    dx_PH = torch.randn(tokens * k, hidden, dtype=dtype, **kw)
+    label = f"moe_permute {impl} {str(dtype)[6:]} T={tokens} H={hidden} K={k} E={experts}"
+
+    def run(fn, cast):
+        xs = x.detach().to(cast).requires_grad_()
+        out = fn(xs)
+        (dx,) = _grads((out,), (xs,), (dx_PH.to(cast),))
+        return [out.detach(), dx]
+
+    ours = run(lambda a: moe_permute(a, order_P, slot_TK, impl=impl), dtype)
+    ref = run(lambda a: moe_permute_reference(a, order_P, slot_TK), torch.float64)
+    eager = run(lambda a: moe_permute_eager(a, order_P, k), dtype)
+    # dx adds K gradient rows: their magnitudes, not the (possibly cancelled) sum, set its rounding scale
+    dx_scale = float(dx_PH.double().abs()[slot_TK].sum(1).max()) if dx_PH.numel() else 0.0
+    scales = {"dx": dx_scale}
+    return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, dtype, scales.get(n)))
+            for n, o, f, e in zip(["x_PH", "dx"], ours, ref, eager)]
+
+
+def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: torch.dtype, device: str,
+                         impl: str, weights_dtype: torch.dtype = torch.float32, y: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None) -> list[CheckResult]:
+    """Forward and both gradients (dy, dweights) of moe_unpermute(impl) vs fp64, each with its 2x-PyTorch
+    tolerance. ``y`` [tokens * k, hidden] may be given; otherwise it is drawn at random."""
+    kw = {"device": device, "generator": generator}
+    ids_TK, weights_TK = random_routing(tokens, k, experts, device, generator)
+    weights_TK = weights_TK.to(weights_dtype)
+    _, slot_TK, _ = routing_indices(ids_TK, experts)
+    if y is None:
+        y = torch.randn(tokens * k, hidden, dtype=dtype, **kw)
+    dout_TH = torch.randn(tokens, hidden, dtype=dtype, **kw)
+    label = f"moe_unpermute {impl} {str(dtype)[6:]} T={tokens} H={hidden} K={k} E={experts}"
+
+    def run(fn, cast):
+        ys = y.detach().to(cast).requires_grad_()
+        ws = weights_TK.detach().to(cast if cast == torch.float64 else weights_dtype).requires_grad_()
+        out = fn(ys, ws)
+        return [out.detach()] + list(_grads((out,), (ys, ws), (dout_TH.to(cast),)))
+
+    ours = run(lambda a, w: moe_unpermute(a, slot_TK, w, impl=impl), dtype)
+    ref = run(lambda a, w: moe_unpermute_reference(a, slot_TK, w), torch.float64)
+    eager = run(lambda a, w: moe_unpermute_eager(a, slot_TK, w), dtype)
+    # out and dweights are sums of products: the sums of their magnitudes set the rounding scale
+    y_TKH = y.double()[slot_TK].abs()
+    nonempty = y_TKH.numel() > 0
+    out_scale = float((y_TKH * weights_TK.double().abs().unsqueeze(-1)).sum(1).max()) if nonempty else 0.0
+    dw_scale = float((y_TKH * dout_TH.double().abs().unsqueeze(1)).sum(-1).max()) if nonempty else 0.0
+    scales = {"out": out_scale, "dweights": dw_scale}
+    dtypes = {"dweights": weights_dtype}
+    return [CheckResult(f"{label} {n}", max_error(o, f),
+                        tolerance(max_error(e, f), f, dtypes.get(n, dtype), scales.get(n)))
+            for n, o, f, e in zip(["out", "dy", "dweights"], ours, ref, eager)]
+
+
 def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]]:
     """The quick checks ``loongforge_report --verify`` runs for one compiled op, one line each."""
     impl = device
@@ -171,6 +257,10 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(swiglu_checks(129, 1408, d, device, impl, p=0.0)))
             checks.append(lambda d=dtype: _merge(swiglu_checks(65, 1000, d, device, impl, p=0.1)))
+    elif builder_name.startswith("lf_moe_dispatch"):
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.append(lambda d=dtype: _merge(moe_permute_checks(129, 2880, 8, 64, d, device, impl)))
+            checks.append(lambda d=dtype: _merge(moe_unpermute_checks(129, 2880, 8, 64, d, device, impl)))
     return checks
 
 

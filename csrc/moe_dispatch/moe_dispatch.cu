@@ -1,0 +1,219 @@
+// MoE dispatch row kernels on CUDA. Legend: T tokens, K experts per token, P = T*K pairs in expert-major
+// order, H hidden; slot_TK[t, j] is the expert-major row of pair (t, j).
+//
+//   scatter (permute forward, unpermute backward):
+//       dst_PH[slot[t, j]] = w[t, j] * src_TH[t]                     (w = 1: an exact copy)
+//       dweights_TK[t, j]  = sum_h src_TH[t, h] * y_PH[slot[t, j], h] (unpermute backward, fp32)
+//   gather (permute backward, unpermute forward):
+//       dst_TH[t] = sum_j w[t, j] * src_PH[slot[t, j]]               (fp32 in registers, one rounding)
+//
+// Both walk tokens: each token row is read once (permute forward writes its K copies instead of
+// gathering P rows, which would read every x row K times), every P row is written exactly once (slot is
+// a permutation) and every sum runs j = 0..K-1 in order, so there are no atomics and results are
+// deterministic. The reads and writes are each row's bytes once: the kernels are bandwidth-bound.
+// Layout: block = (tpr threads along a row) x (rows_per_block tokens); a thread walks its row in steps of
+// tpr vectors of V elements, so no index is divided. With dweights a row gets at most one warp, so its
+// K dot products reduce by shuffles alone: with a block per row, 2 barriers per pair held the backward at
+// about half of copy bandwidth on an H200. Preconditions of the vector path (V = 16 / sizeof(T)):
+// H % V == 0 and every row start 16-byte aligned (base pointers and row strides); otherwise V = 1.
+// slot is not range-checked on the device (that would cost a host sync): it must come from
+// routing_indices(); the CPU build checks it.
+#include "lf_cuda_utils.cuh"
+#include "moe_dispatch_checks.h"
+
+namespace loongforge {
+namespace {
+
+constexpr int kThreads = 256;
+// Pairs of a token the scatter handles per pass over its row: the row is loaded once per kPairChunk pairs
+// (once in all for K <= 8) while the chunk's slots, weights and dot products stay in registers.
+constexpr int kPairChunk = 8;
+
+template <typename T, int V, bool WEIGHTED, bool DWEIGHTS>
+__global__ void __launch_bounds__(kThreads)
+    moe_scatter_rows_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
+                            const float* __restrict__ weights, T* __restrict__ dst, const T* __restrict__ y,
+                            int64_t y_stride, float* __restrict__ dweights, int64_t tokens, int k, int n_vec) {
+    const int64_t hidden = static_cast<int64_t>(n_vec) * V;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < tokens;
+         base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+        const int64_t t = base + threadIdx.y;
+        const bool valid = t < tokens;
+        const T* src_row = src + t * src_stride;
+        for (int j0 = 0; j0 < k; j0 += kPairChunk) {
+            const int nj = min(kPairChunk, k - j0);  // the same for every thread of the block
+            int64_t row[kPairChunk];
+            float w[kPairChunk];
+            float dot[kPairChunk];
+#pragma unroll
+            for (int i = 0; i < kPairChunk; ++i) {
+                const bool has = valid && i < nj;
+                row[i] = has ? slot[t * k + j0 + i] : 0;
+                w[i] = (WEIGHTED && has) ? weights[t * k + j0 + i] : 1.f;
+                dot[i] = 0.f;
+            }
+            if (valid) {
+                for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
+                    const Vec<T, V> sv = load_vec<T, V>(src_row + c * V);
+#pragma unroll
+                    for (int i = 0; i < kPairChunk; ++i) {
+                        if (i >= nj) break;
+                        if constexpr (WEIGHTED) {
+                            Vec<T, V> ov;
+#pragma unroll
+                            for (int e = 0; e < V; ++e) ov.val[e] = static_cast<T>(w[i] * static_cast<float>(sv.val[e]));
+                            store_vec<T, V>(dst + row[i] * hidden + c * V, ov);
+                        } else {
+                            store_vec<T, V>(dst + row[i] * hidden + c * V, sv);
+                        }
+                        if constexpr (DWEIGHTS) {
+                            const Vec<T, V> yv = load_vec<T, V>(y + row[i] * y_stride + c * V);
+#pragma unroll
+                            for (int e = 0; e < V; ++e) {
+                                dot[i] = fmaf(static_cast<float>(sv.val[e]), static_cast<float>(yv.val[e]), dot[i]);
+                            }
+                        }
+                    }
+                }
+            }
+            if constexpr (DWEIGHTS) {
+#pragma unroll
+                for (int i = 0; i < kPairChunk; ++i) {
+                    if (i >= nj) break;  // uniform over the block: every lane takes part in the shuffles
+                    // tpr <= 32 (plan_token_launch): a shuffle reduction that never touches shared memory
+                    const float d = row_allreduce_sum(dot[i], nullptr, blockDim.x);
+                    if (valid && threadIdx.x == 0) dweights[t * k + j0 + i] = d;
+                }
+            }
+        }
+    }
+}
+
+template <typename T, int V, bool WEIGHTED>
+__global__ void __launch_bounds__(kThreads)
+    moe_gather_rows_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
+                           const float* __restrict__ weights, T* __restrict__ dst, int64_t tokens, int k,
+                           int n_vec) {
+    const int64_t hidden = static_cast<int64_t>(n_vec) * V;
+    for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; t < tokens;
+         t += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+        const int64_t* slot_t = slot + t * k;
+        for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
+            float acc[V];
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[e] = 0.f;
+#pragma unroll 4
+            for (int j = 0; j < k; ++j) {
+                const Vec<T, V> v = load_vec<T, V>(src + slot_t[j] * src_stride + c * V);
+                const float w = WEIGHTED ? weights[t * k + j] : 1.f;
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = fmaf(w, static_cast<float>(v.val[e]), acc[e]);
+            }
+            Vec<T, V> out;
+#pragma unroll
+            for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
+            store_vec<T, V>(dst + t * hidden + c * V, out);
+        }
+    }
+}
+
+struct TokenLaunch {
+    dim3 grid, block;
+};
+
+// Threads per row: the row's vectors rounded up to a power of two below a warp, to whole warps above,
+// at most max_tpr (a block, or a warp when the kernel reduces along the row); narrow rows share a block.
+// The grid covers every token once up to 64 blocks per SM; beyond that the kernels loop.
+TokenLaunch plan_token_launch(int64_t tokens, int n_vec, int max_tpr = kThreads) {
+    int tpr = 1;
+    while (tpr < n_vec && tpr < 32) tpr <<= 1;
+    if (n_vec > 32) tpr = std::min(max_tpr, (n_vec + 31) / 32 * 32);
+    const int rows_per_block = kThreads / tpr;
+    const int64_t max_blocks = static_cast<int64_t>(lf_sm_count()) * 64;
+    const int64_t blocks = std::min(max_blocks, (tokens + rows_per_block - 1) / rows_per_block);
+    return {dim3(static_cast<unsigned>(blocks)), dim3(tpr, rows_per_block)};
+}
+
+bool rows_aligned16(const at::Tensor& rows) {
+    return lf_aligned16(rows.data_ptr()) && (rows.stride(0) * rows.element_size()) % 16 == 0;
+}
+
+// Run fn.template operator()<V>() with 16-byte vectors when H and the rows allow them, else V = 1.
+template <typename T>
+void dispatch_vec(int64_t hidden, bool rows_aligned, const auto& fn) {
+    constexpr int kVec = 16 / sizeof(T);
+    if (rows_aligned && hidden % kVec == 0) fn.template operator()<kVec>();
+    else fn.template operator()<1>();
+}
+
+}  // namespace
+
+void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                           const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK) {
+    const int64_t tokens = slot_TK.size(0);
+    const int k = static_cast<int>(slot_TK.size(1));
+    const int64_t hidden = src_TH.size(1);
+    const bool weighted = weights_TK.defined();
+    const bool need_dweights = y_PH.defined();
+    const c10::cuda::CUDAGuard guard(src_TH.device());
+    if (tokens == 0 || k == 0) return;
+    if (hidden == 0) {
+        if (need_dweights) dweights_TK.zero_();
+        return;
+    }
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    LF_DISPATCH_FLOATING(src_TH.scalar_type(), "moe_scatter_rows", [&] {
+        using T = scalar_t;
+        const T* y = need_dweights ? y_PH.data_ptr<T>() : nullptr;
+        const int64_t y_stride = need_dweights ? y_PH.stride(0) : 0;
+        float* dweights = need_dweights ? dweights_TK.data_ptr<float>() : nullptr;
+        const float* weights = weighted ? weights_TK.data_ptr<float>() : nullptr;
+        const bool aligned =
+            rows_aligned16(src_TH) && rows_aligned16(dst_PH) && (!need_dweights || rows_aligned16(y_PH));
+        dispatch_vec<T>(hidden, aligned, [&]<int V>() {
+            const int n_vec = static_cast<int>(hidden / V);
+            const TokenLaunch l = plan_token_launch(tokens, n_vec, need_dweights ? 32 : kThreads);
+            auto launch = [&]<bool WEIGHTED, bool DWEIGHTS>() {
+                moe_scatter_rows_kernel<T, V, WEIGHTED, DWEIGHTS><<<l.grid, l.block, 0, stream>>>(
+                    src_TH.data_ptr<T>(), src_TH.stride(0), slot_TK.data_ptr<int64_t>(), weights,
+                    dst_PH.data_ptr<T>(), y, y_stride, dweights, tokens, k, n_vec);
+            };
+            // the combinations the ops use: permute forward (copy), unpermute backward with or without dweights
+            if (!weighted) launch.template operator()<false, false>();
+            else if (need_dweights) launch.template operator()<true, true>();
+            else launch.template operator()<true, false>();
+            LF_CUDA_CHECK_LAUNCH();
+        });
+    });
+}
+
+void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                          const at::Tensor& dst_TH) {
+    const int64_t tokens = slot_TK.size(0);
+    const int k = static_cast<int>(slot_TK.size(1));
+    const int64_t hidden = src_PH.size(1);
+    const bool weighted = weights_TK.defined();
+    const c10::cuda::CUDAGuard guard(src_PH.device());
+    if (tokens == 0 || hidden == 0) return;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    LF_DISPATCH_FLOATING(src_PH.scalar_type(), "moe_gather_rows", [&] {
+        using T = scalar_t;
+        const float* weights = weighted ? weights_TK.data_ptr<float>() : nullptr;
+        dispatch_vec<T>(hidden, rows_aligned16(src_PH) && rows_aligned16(dst_TH), [&]<int V>() {
+            const int n_vec = static_cast<int>(hidden / V);
+            const TokenLaunch l = plan_token_launch(tokens, n_vec);
+            if (weighted) {
+                moe_gather_rows_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
+                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights,
+                    dst_TH.data_ptr<T>(), tokens, k, n_vec);
+            } else {
+                moe_gather_rows_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
+                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights,
+                    dst_TH.data_ptr<T>(), tokens, k, n_vec);
+            }
+            LF_CUDA_CHECK_LAUNCH();
+        });
+    });
+}
+
+}  // namespace loongforge

@@ -1,0 +1,81 @@
+// Python binding of the fused MoE dispatch ops (permute / unpermute, forward and backward). The four
+// entry points check their arguments and allocate here, once for both builds; each build supplies the two
+// row kernels they are made of (moe_dispatch.cu on CUDA, moe_dispatch_cpu.cpp on the CPU):
+//   scatter: dst_PH[slot_TK[t, j]] = w[t, j] * src_TH[t]  (+ dweights_TK[t, j] = src_TH[t] . y_PH[slot_TK[t, j]])
+//   gather:  dst_TH[t] = sum_j w[t, j] * src_PH[slot_TK[t, j]]                  (fp32, one rounding)
+// An undefined weights_TK means w = 1; an undefined y_PH skips dweights.
+// pybind11 with torch's Tensor/optional casters only: torch/extension.h (all of libtorch's C++ API)
+// made a binding the slowest unit of a cold build (26 s vs 10 s on 2 cores).
+#include <torch/csrc/utils/pybind.h>
+
+#include "moe_dispatch_checks.h"
+
+namespace loongforge {
+#ifdef LF_WITH_CUDA
+void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                           const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
+void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                          const at::Tensor& dst_TH);
+#define LF_SCATTER_ROWS moe_scatter_rows_cuda
+#define LF_GATHER_ROWS moe_gather_rows_cuda
+#define LF_DEVICE "cuda"
+constexpr c10::DeviceType kDispatchDevice = c10::DeviceType::CUDA;
+#else
+void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                          const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
+void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                         const at::Tensor& dst_TH);
+#define LF_SCATTER_ROWS moe_scatter_rows_cpu
+#define LF_GATHER_ROWS moe_gather_rows_cpu
+#define LF_DEVICE "cpu"
+constexpr c10::DeviceType kDispatchDevice = c10::DeviceType::CPU;
+#endif
+
+namespace {
+
+at::Tensor permute_fwd(const at::Tensor& x_TH, const at::Tensor& slot_TK) {
+    check_permute_fwd_args(x_TH, slot_TK, kDispatchDevice);
+    auto x_PH = at::empty({slot_TK.numel(), x_TH.size(1)}, x_TH.options());
+    LF_SCATTER_ROWS(x_TH, slot_TK, at::Tensor(), x_PH, at::Tensor(), at::Tensor());
+    return x_PH;
+}
+
+at::Tensor permute_bwd(const at::Tensor& dx_PH, const at::Tensor& slot_TK) {
+    check_permute_bwd_args(dx_PH, slot_TK, kDispatchDevice);
+    auto dx_TH = at::empty({slot_TK.size(0), dx_PH.size(1)}, dx_PH.options());
+    LF_GATHER_ROWS(dx_PH, slot_TK, at::Tensor(), dx_TH);
+    return dx_TH;
+}
+
+at::Tensor unpermute_fwd(const at::Tensor& y_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK) {
+    check_unpermute_fwd_args(y_PH, slot_TK, weights_TK, kDispatchDevice);
+    auto out_TH = at::empty({slot_TK.size(0), y_PH.size(1)}, y_PH.options());
+    LF_GATHER_ROWS(y_PH, slot_TK, weights_TK, out_TH);
+    return out_TH;
+}
+
+std::vector<at::Tensor> unpermute_bwd(const at::Tensor& dout_TH, const c10::optional<at::Tensor>& y_PH,
+                                      const at::Tensor& slot_TK, const at::Tensor& weights_TK) {
+    check_unpermute_bwd_args(dout_TH, y_PH, slot_TK, weights_TK, kDispatchDevice);
+    const bool need_dweights = y_PH.has_value() && y_PH->defined();
+    auto dy_PH = at::empty({slot_TK.numel(), dout_TH.size(1)}, dout_TH.options());
+    auto dweights_TK = need_dweights ? at::empty(slot_TK.sizes(), weights_TK.options()) : at::Tensor();
+    LF_SCATTER_ROWS(dout_TH, slot_TK, weights_TK, dy_PH, need_dweights ? *y_PH : at::Tensor(), dweights_TK);
+    return {dy_PH, dweights_TK};
+}
+
+}  // namespace
+}  // namespace loongforge
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.attr("device") = LF_DEVICE;
+    m.def("permute_forward", &loongforge::permute_fwd, py::arg("x_TH"), py::arg("slot_TK"),
+          "x_PH[slot_TK[t, j]] = x_TH[t]: token rows to expert-major pair rows [T*K, H]");
+    m.def("permute_backward", &loongforge::permute_bwd, py::arg("dx_PH"), py::arg("slot_TK"),
+          "dx_TH[t] = sum_j dx_PH[slot_TK[t, j]] (fp32 accumulation, one rounding)");
+    m.def("unpermute_forward", &loongforge::unpermute_fwd, py::arg("y_PH"), py::arg("slot_TK"),
+          py::arg("weights_TK"), "out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]] (fp32 accumulation)");
+    m.def("unpermute_backward", &loongforge::unpermute_bwd, py::arg("dout_TH"), py::arg("y_PH"),
+          py::arg("slot_TK"), py::arg("weights_TK"),
+          "returns (dy_PH, dweights_TK[fp32] or None when y_PH is None)");
+}

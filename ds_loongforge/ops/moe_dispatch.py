@@ -1,0 +1,182 @@
+"""Fused MoE dispatch: token rows into expert-major order (permute) and the weighted combine back
+(unpermute), forward and backward, and their plain-PyTorch references.
+
+Legend (shape suffixes): T tokens, K experts per token, P = T*K token-expert pairs (pair t*K + j is
+token t's j-th expert), H hidden, E experts.
+
+    routing_indices(ids_TK, E) -> order_P, slot_TK, tokens_per_expert_E            (plain torch)
+        order_P[p]    the pair at expert-major position p (stable: token order within an expert)
+        slot_TK[t, j] the expert-major position of pair (t, j): order_P's inverse
+    moe_permute(x_TH, order_P, slot_TK) -> x_PH[p] = x_TH[order_P[p] // K]
+        backward: dx_TH[t] = sum_j dx_PH[slot_TK[t, j]]
+    moe_unpermute(y_PH, slot_TK, weights_TK) -> out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]
+        backward: dy_PH[slot_TK[t, j]] = weights_TK[t, j] * dout_TH[t]
+                  dweights_TK[t, j]    = dout_TH[t] . y_PH[slot_TK[t, j]]
+
+Sums and products are fp32 (fp64 for fp64 inputs), rounded once to the rows' dtype; dweights is fp32
+until it is cast to the weights' dtype. Every output row is produced by one thread group in a fixed
+order and each P row is written exactly once, so the kernels use no atomics and are deterministic.
+
+Index tensors are int64, as argsort returns them. The kernels walk tokens and take slot_TK for both
+directions (permute forward reads each x row once and writes its K copies instead of reading it K
+times); order_P defines the layout and drives the reference. Both must come from routing_indices(): the
+CPU kernels check that slot_TK is a permutation of [0, P), the CUDA kernels do not (that would cost a
+host sync) and an out-of-range slot there reads or writes out of bounds. weights_TK may be float32 (the
+router's output) or y's dtype; the kernels take float32, so other dtypes are cast (a [T, K] tensor).
+Rows may be row-strided views (unit stride along H) without a copy; other layouts are copied first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_loongforge.op_builder import MoEDispatchBuilder, MoEDispatchCPUBuilder
+from ds_loongforge.ops._dispatch import kernel_for
+
+_BUILDERS = {"cuda": MoEDispatchBuilder, "cpu": MoEDispatchCPUBuilder}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """The 2-D rows as the kernels take them: a row stride is fine, elements within a row must be adjacent."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def routing_indices(ids_TK: torch.Tensor, num_experts: int):
+    """``(order_P, slot_TK, tokens_per_expert_E)``, all int64, from the experts ``ids_TK`` [T, K] of each token.
+
+    On CPU the ids are checked to lie in [0, num_experts). On CUDA they are not (it would cost a host
+    sync): an id >= num_experts is then missing from tokens_per_expert_E, and a negative one is counted
+    nowhere. No step here syncs with the host or uses atomics.
+    """
+    if ids_TK.dim() != 2:
+        raise ValueError(f"routing_indices: ids_TK must be [tokens, k], got shape {tuple(ids_TK.shape)}")
+    if ids_TK.dtype.is_floating_point or ids_TK.dtype.is_complex or ids_TK.dtype == torch.bool:
+        raise ValueError(f"routing_indices: ids_TK must hold integer expert ids, got dtype {ids_TK.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"routing_indices: num_experts must be >= 1, got {num_experts}")
+    ids_P = ids_TK.reshape(-1)
+    if ids_P.device.type == "cpu" and ids_P.numel():
+        low, high = int(ids_P.min()), int(ids_P.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"routing_indices: expert ids must be in [0, {num_experts}), got ids from {low} "
+                             f"to {high}")
+    order_P = torch.argsort(ids_P, stable=True)
+    slot_P = torch.empty_like(order_P)
+    slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+    # counts from the boundaries of each expert's run in sorted order: no bincount (which syncs on CUDA)
+    experts = torch.arange(num_experts + 1, device=ids_P.device, dtype=ids_P.dtype)
+    tokens_per_expert_E = torch.searchsorted(ids_P[order_P], experts).diff()
+    return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E
+
+
+def _check_indices(op: str, order_P: torch.Tensor | None, slot_TK: torch.Tensor) -> None:
+    if slot_TK.dim() != 2 or slot_TK.dtype != torch.int64:
+        raise ValueError(f"{op}: slot_TK must be an int64 [tokens, k] tensor (as routing_indices returns it), "
+                         f"got {slot_TK.dtype} of shape {tuple(slot_TK.shape)}")
+    if order_P is not None and (order_P.dtype != torch.int64 or tuple(order_P.shape) != (slot_TK.numel(),)):
+        raise ValueError(f"{op}: order_P must be an int64 [T*K] = [{slot_TK.numel()}] tensor for slot_TK of "
+                         f"shape {tuple(slot_TK.shape)}, got {order_P.dtype} of shape {tuple(order_P.shape)}")
+
+
+def _check_permute_args(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor) -> None:
+    _check_indices("moe_permute", order_P, slot_TK)
+    if x_TH.dim() != 2 or x_TH.shape[0] != slot_TK.shape[0]:
+        raise ValueError(f"moe_permute: x_TH must be [tokens, hidden] with tokens = slot_TK.shape[0] = "
+                         f"{slot_TK.shape[0]}, got shape {tuple(x_TH.shape)}")
+
+
+def _check_unpermute_args(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+    _check_indices("moe_unpermute", None, slot_TK)
+    if y_PH.dim() != 2 or y_PH.shape[0] != slot_TK.numel():
+        raise ValueError(f"moe_unpermute: y_PH must be [T*K, hidden] with T*K = {slot_TK.numel()} for slot_TK "
+                         f"of shape {tuple(slot_TK.shape)}, got shape {tuple(y_PH.shape)}")
+    if weights_TK.shape != slot_TK.shape:
+        raise ValueError(f"moe_unpermute: weights_TK shape {tuple(weights_TK.shape)} differs from slot_TK shape "
+                         f"{tuple(slot_TK.shape)}")
+    if weights_TK.dtype not in (torch.float32, y_PH.dtype):
+        raise ValueError(f"moe_unpermute: weights_TK must be float32 or y's dtype {y_PH.dtype}, got "
+                         f"{weights_TK.dtype}")
+
+
+def moe_permute_reference(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch with the kernels' semantics: the gather by order_P, gradients summed in fp32 (fp64 for
+    fp64 inputs) and rounded once."""
+    _check_permute_args(x_TH, order_P, slot_TK)
+    k = slot_TK.shape[1]
+    return x_TH.to(_compute_dtype(x_TH.dtype))[order_P // k].to(x_TH.dtype)
+
+
+def moe_unpermute_reference(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch with the kernels' semantics: fp32 products and sums (fp64 for fp64 inputs), one rounding."""
+    _check_unpermute_args(y_PH, slot_TK, weights_TK)
+    acc = _compute_dtype(y_PH.dtype)
+    y_TKH = y_PH.to(acc)[slot_TK]
+    return (y_TKH * weights_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(y_PH.dtype)
+
+
+class _MoEPermuteFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x_TH, slot_TK, kernel):
+        ctx.save_for_backward(slot_TK)
+        ctx.kernel = kernel
+        return kernel.permute_forward(_unit_stride_rows(x_TH), slot_TK)
+
+    @staticmethod
+    def backward(ctx, dx_PH):
+        (slot_TK,) = ctx.saved_tensors
+        return ctx.kernel.permute_backward(_unit_stride_rows(dx_PH), slot_TK), None, None
+
+
+class _MoEUnpermuteFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y_PH, slot_TK, weights_TK, kernel):
+        y_rows = _unit_stride_rows(y_PH)
+        out_TH = kernel.unpermute_forward(y_rows, slot_TK, weights_TK)
+        # y is needed only for dweights: without a weight gradient the backward never reads it
+        ctx.save_for_backward(y_rows if ctx.needs_input_grad[2] else None, slot_TK, weights_TK)
+        ctx.kernel = kernel
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        y_rows, slot_TK, weights_TK = ctx.saved_tensors
+        dy_PH, dweights_TK = ctx.kernel.unpermute_backward(_unit_stride_rows(dout_TH), y_rows, slot_TK, weights_TK)
+        return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, None
+
+
+def moe_permute(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """``x_PH[p] = x_TH[order_P[p] // K]``: each token's row once per chosen expert, in expert-major order.
+
+    ``order_P`` and ``slot_TK`` come from :func:`routing_indices`. ``impl``: "auto" (kernel for the
+    tensor's device, reference if it cannot be built), "cuda", "cpu", or "reference".
+    """
+    _check_permute_args(x_TH, order_P, slot_TK)
+    kernel = None
+    if impl != "auto" or x_TH.dtype in _KERNEL_DTYPES:
+        kernel = kernel_for("moe_permute", _BUILDERS, x_TH.device.type, impl)
+    if kernel is None:
+        return moe_permute_reference(x_TH, order_P, slot_TK)
+    return _MoEPermuteFunction.apply(x_TH, slot_TK, kernel)
+
+
+def moe_unpermute(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
+                  impl: str = "auto") -> torch.Tensor:
+    """``out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]`` in fp32, returned in y's dtype.
+
+    ``weights_TK`` is float32 or y's dtype; its gradient comes back in its own dtype. ``impl`` as in
+    :func:`moe_permute`.
+    """
+    _check_unpermute_args(y_PH, slot_TK, weights_TK)
+    kernel = None
+    if impl != "auto" or y_PH.dtype in _KERNEL_DTYPES:
+        kernel = kernel_for("moe_unpermute", _BUILDERS, y_PH.device.type, impl)
+    if kernel is None:
+        return moe_unpermute_reference(y_PH, slot_TK, weights_TK)
+    return _MoEUnpermuteFunction.apply(y_PH, slot_TK, weights_TK.float().contiguous(), kernel)

@@ -1,0 +1,15 @@
+"""Builders of the fused MoE dispatch op family: permute / unpermute, forward and backward (csrc/moe_dispatch)."""
+
+from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
+
+
+class MoEDispatchBuilder(LFCUDAOpBuilder):
+    NAME = "lf_moe_dispatch"
+    BUILD_VAR = "LF_BUILD_MOE_DISPATCH"
+    SOURCES = ("moe_dispatch/moe_dispatch.cu", "moe_dispatch/moe_dispatch_binding.cpp")
+
+
+class MoEDispatchCPUBuilder(LFCPUOpBuilder):
+    NAME = "lf_moe_dispatch_cpu"
+    BUILD_VAR = "LF_BUILD_MOE_DISPATCH"
+    SOURCES = ("moe_dispatch/moe_dispatch_cpu.cpp", "moe_dispatch/moe_dispatch_binding.cpp")

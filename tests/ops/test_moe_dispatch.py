@@ -1,0 +1,247 @@
+"""Fused MoE dispatch (permute / unpermute): the routing indices, values and every gradient against fp64 on
+edge shapes, bitwise determinism of the backward, row-strided and misaligned rows, and input errors.
+
+Legend: T tokens, H hidden, K experts per token, E experts, P = T*K pairs."""
+
+import pytest
+import torch
+
+from ds_loongforge.ops import (moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference,
+                               routing_indices)
+from ds_loongforge.ops.moe_dispatch import _BUILDERS
+from ds_loongforge.ops.numerics import moe_permute_checks, moe_unpermute_checks, random_routing
+from tests._params import DTYPES, IMPLS, assert_checks
+
+# the reference too: its fp32 accumulation with one rounding is part of the op's contract
+IMPLS_AND_REFERENCE = [pytest.param("reference", id="reference"), *IMPLS]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+SHAPES = [  # (T, H, K, E); random_routing leaves the last quarter of the experts without tokens
+    pytest.param(0, 64, 2, 4, id="no_tokens"),            # an expert-parallel rank nothing was routed to
+    pytest.param(1, 1, 1, 1, id="one_element"),           # T=1, H=1, K=1, one expert
+    pytest.param(1, 2880, 8, 64, id="one_token_k8"),      # one token on 8 experts, 56+ experts empty
+    pytest.param(37, 3, 2, 4, id="h3"),                   # odd H: the scalar path
+    pytest.param(37, 64, 8, 4, id="k8_on_3_experts"),     # K above the used experts: a token repeats an expert
+    pytest.param(37, 2880, 1, 64, id="h2880_k1"),         # GPT-OSS hidden size, top-1
+    pytest.param(1000, 64, 2, 64, id="t1000_h64"),        # narrow rows share a block
+    pytest.param(1000, 3, 8, 1, id="one_expert"),         # every pair on expert 0: order is the identity
+    pytest.param(1000, 2880, 2, 4, id="t1000_h2880"),     # the largest case here, P = 2000 rows
+    pytest.param(16, 7168, 8, 64, id="h7168"),            # DeepSeek-V3 hidden size
+]
+
+
+def _device(impl):
+    return "cuda" if impl == "cuda" else "cpu"
+
+
+def _routing(tokens, k, experts, device):
+    ids_TK, weights_TK = random_routing(tokens, k, experts, device)
+    order_P, slot_TK, _ = routing_indices(ids_TK, experts)
+    return order_P, slot_TK, weights_TK
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens,k,experts", [(0, 2, 4), (1, 1, 1), (37, 2, 64), (1000, 8, 4), (5, 3, 2)])
+def test_routing_indices_are_a_stable_expert_major_order(device, tokens, k, experts):
+    ids_TK, _ = random_routing(tokens, k, experts, device)
+    order_P, slot_TK, tokens_per_expert_E = routing_indices(ids_TK, experts)
+    ids_P = ids_TK.reshape(-1)
+    assert order_P.dtype == slot_TK.dtype == tokens_per_expert_E.dtype == torch.int64
+    assert slot_TK.shape == (tokens, k) and tokens_per_expert_E.shape == (experts,)
+    assert torch.equal(tokens_per_expert_E, torch.bincount(ids_P, minlength=experts))
+    sorted_ids = ids_P[order_P]
+    assert torch.all(sorted_ids[1:] >= sorted_ids[:-1]), "expert-major"
+    same_expert = sorted_ids[1:] == sorted_ids[:-1]
+    assert torch.all(order_P[1:][same_expert] > order_P[:-1][same_expert]), "token order within an expert"
+    assert torch.equal(order_P[slot_TK.reshape(-1)], torch.arange(tokens * k, device=device)), "slot = order^-1"
+
+
+def test_routing_indices_rejects_bad_ids():
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 4\), got ids from 0 to 4"):
+        routing_indices(torch.tensor([[0, 4]]), 4)
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 4\), got ids from -1 to 2"):
+        routing_indices(torch.tensor([[-1, 2]]), 4)
+    with pytest.raises(ValueError, match="integer expert ids, got dtype torch.float32"):
+        routing_indices(torch.zeros(2, 2), 4)
+    with pytest.raises(ValueError, match=r"must be \[tokens, k\], got shape \(4,\)"):
+        routing_indices(torch.zeros(4, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+        routing_indices(torch.zeros(2, 2, dtype=torch.int64), 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden,k,experts", SHAPES)
+def test_moe_permute_matches_fp64(impl, dtype, tokens, hidden, k, experts):
+    assert_checks(moe_permute_checks(tokens, hidden, k, experts, dtype, _device(impl), impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden,k,experts", SHAPES)
+def test_moe_unpermute_matches_fp64(impl, dtype, tokens, hidden, k, experts):
+    assert_checks(moe_unpermute_checks(tokens, hidden, k, experts, dtype, _device(impl), impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_moe_unpermute_weights_in_activation_dtype(impl, dtype):
+    assert_checks(moe_unpermute_checks(53, 320, 4, 16, dtype, _device(impl), impl, weights_dtype=dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_permute_forward_is_an_exact_copy(impl, dtype):
+    order_P, slot_TK, _ = _routing(77, 4, 16, impl)
+    x_TH = torch.randn(77, 136, device=impl, dtype=dtype)
+    assert torch.equal(moe_permute(x_TH, order_P, slot_TK, impl=impl), x_TH[order_P // 4])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_backward_is_bitwise_deterministic(impl):
+    order_P, slot_TK, weights_TK = _routing(300, 8, 64, impl)
+    x_TH = torch.randn(300, 520, device=impl, dtype=torch.bfloat16, requires_grad=True)
+    y_PH = torch.randn(2400, 520, device=impl, dtype=torch.bfloat16, requires_grad=True)
+    weights_TK.requires_grad_()
+    dx_PH, dout_TH = torch.randn_like(y_PH), torch.randn_like(x_TH)
+
+    def grads():
+        x_PH = moe_permute(x_TH, order_P, slot_TK, impl=impl)
+        out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl)
+        return torch.autograd.grad((x_PH, out_TH), (x_TH, y_PH, weights_TK), (dx_PH, dout_TH))
+
+    for first, second in zip(grads(), grads()):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("view", ["row_strided", "misaligned"])
+def test_non_contiguous_rows(impl, view):
+    tokens, hidden, k = 50, 256, 2
+
+    def rows(n):
+        base = torch.randn(n, hidden + 16, dtype=torch.bfloat16, device=impl)
+        t = base[:, :hidden] if view == "row_strided" else base[:, 1:hidden + 1]
+        assert not t.is_contiguous() and t.stride(1) == 1
+        return t
+
+    assert_checks(moe_permute_checks(tokens, hidden, k, 8, torch.bfloat16, impl, impl, x=rows(tokens)))
+    assert_checks(moe_unpermute_checks(tokens, hidden, k, 8, torch.bfloat16, impl, impl, y=rows(tokens * k)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unpermute_without_weight_gradient(impl):
+    # a frozen router: the backward then never reads y (and the forward does not keep it)
+    _, slot_TK, weights_TK = _routing(40, 2, 8, impl)
+    y_PH = torch.randn(80, 96, device=impl, requires_grad=True)
+    dout_TH = torch.randn(40, 96, device=impl)
+    (dy,) = torch.autograd.grad(moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl), y_PH, dout_TH)
+    (dy_ref,) = torch.autograd.grad(moe_unpermute_reference(y_PH, slot_TK, weights_TK), y_PH, dout_TH)
+    torch.testing.assert_close(dy, dy_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+def test_bad_input_is_a_clear_error(impl):
+    device = _device(impl)
+    order_P, slot_TK, weights_TK = _routing(6, 2, 4, device)
+    x_TH = torch.randn(6, 8, device=device)
+    y_PH = torch.randn(12, 8, device=device)
+    with pytest.raises(ValueError, match=r"x_TH must be \[tokens, hidden\] with tokens = slot_TK.shape\[0\] = 6, "
+                                         r"got shape \(5, 8\)"):
+        moe_permute(x_TH[:5], order_P, slot_TK, impl=impl)
+    with pytest.raises(ValueError, match=r"got shape \(1, 6, 8\)"):
+        moe_permute(x_TH[None], order_P, slot_TK, impl=impl)
+    with pytest.raises(ValueError, match=r"order_P must be an int64 \[T\*K\] = \[12\] tensor .* got torch.int64 of "
+                                         r"shape \(11,\)"):
+        moe_permute(x_TH, order_P[:11], slot_TK, impl=impl)
+    with pytest.raises(ValueError, match="slot_TK must be an int64 .* got torch.int32"):
+        moe_permute(x_TH, order_P, slot_TK.int(), impl=impl)
+    with pytest.raises(ValueError, match=r"y_PH must be \[T\*K, hidden\] with T\*K = 12 .* got shape \(10, 8\)"):
+        moe_unpermute(y_PH[:10], slot_TK, weights_TK, impl=impl)
+    with pytest.raises(ValueError, match=r"weights_TK shape \(6, 1\) differs from slot_TK shape \(6, 2\)"):
+        moe_unpermute(y_PH, slot_TK, weights_TK[:, :1], impl=impl)
+    with pytest.raises(ValueError, match="weights_TK must be float32 or y's dtype torch.bfloat16, got torch.float64"):
+        moe_unpermute(y_PH.bfloat16(), slot_TK, weights_TK.double(), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_checks_name_the_values(impl):
+    kernel = _BUILDERS[impl]().load()
+    _, slot_TK, weights_TK = _routing(6, 2, 4, impl)
+    x_TH = torch.randn(6, 8, device=impl)
+    y_PH = torch.randn(12, 8, device=impl)
+    with pytest.raises(RuntimeError, match="slot_TK must have dtype Long, got Int"):
+        kernel.permute_forward(x_TH, slot_TK.int())
+    with pytest.raises(RuntimeError, match="slot_TK must be contiguous"):
+        kernel.permute_forward(torch.randn(2, 8, device=impl), slot_TK.t())
+    with pytest.raises(RuntimeError, match=r"x_TH has 5 rows \(tokens\) but slot_TK \[6, 2\] has 6"):
+        kernel.permute_forward(x_TH[:5], slot_TK)
+    with pytest.raises(RuntimeError, match=r"grad of x_PH has 11 rows but slot_TK \[6, 2\] holds T\*K = 12 pairs"):
+        kernel.permute_backward(y_PH[:11], slot_TK)
+    with pytest.raises(RuntimeError, match="x_TH must be float32, float16 or bfloat16, got Double"):
+        kernel.permute_forward(x_TH.double(), slot_TK)
+    with pytest.raises(RuntimeError, match="unit stride along the last dimension, got shape"):
+        kernel.permute_forward(torch.randn(8, 6, device=impl).t(), slot_TK)
+    with pytest.raises(RuntimeError, match="weights_TK must have dtype Float, got BFloat16"):
+        kernel.unpermute_forward(y_PH, slot_TK, weights_TK.bfloat16())
+    with pytest.raises(RuntimeError, match=r"weights_TK shape \[6, 1\] differs from slot_TK shape \[6, 2\]"):
+        kernel.unpermute_forward(y_PH, slot_TK, weights_TK[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match=r"y_PH \(hidden 8, Float\) must match the grad of out_TH \(hidden 8, "
+                                           r"BFloat16\)"):
+        kernel.unpermute_backward(x_TH.bfloat16(), y_PH, slot_TK, weights_TK)
+    with pytest.raises(RuntimeError, match=rf"moe_permute: slot_TK must be on {impl}, got a tensor on meta"):
+        kernel.permute_forward(x_TH, slot_TK.to("meta"))
+
+
+def test_cpu_kernels_check_that_slot_is_a_permutation():
+    # the CUDA kernels trust routing_indices (a device-side check would cost a host sync)
+    kernel = _BUILDERS["cpu"]().load()
+    _, slot_TK, weights_TK = _routing(6, 2, 4, "cpu")
+    x_TH, y_PH = torch.randn(6, 8), torch.randn(12, 8)
+    bad = slot_TK.clone()
+    bad[3, 1] = 12
+    with pytest.raises(RuntimeError, match=r"slot_TK\[3, 1\] = 12 is outside \[0, T\*K\) = \[0, 12\)"):
+        kernel.permute_forward(x_TH, bad)
+    bad[3, 1] = -1
+    with pytest.raises(RuntimeError, match=r"slot_TK\[3, 1\] = -1 is outside"):
+        moe_unpermute(y_PH, bad, weights_TK, impl="cpu")
+    bad = slot_TK.clone()
+    bad[5, 0] = bad[0, 0]
+    with pytest.raises(RuntimeError, match=rf"holds row {int(bad[0, 0])} twice .* must be a permutation"):
+        kernel.permute_backward(y_PH, bad)
+
+
+@pytest.mark.gpu
+def test_more_tokens_than_one_grid_covers_cuda():
+    # 64 blocks per SM of one 256-thread row each (H=2048 bf16): the kernels' token loop covers the rest
+    tokens = torch.cuda.get_device_properties(0).multi_processor_count * 64 + 1000
+    assert_checks(moe_permute_checks(tokens, 2048, 2, 64, torch.bfloat16, "cuda", "cuda"))
+    assert_checks(moe_unpermute_checks(tokens, 2048, 2, 64, torch.bfloat16, "cuda", "cuda"))
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    order_P, slot_TK, weights_TK = _routing(257, 8, 64, "cpu")
+    x_TH = torch.randn(257, 2880, dtype=torch.bfloat16)
+    y_PH = torch.randn(257 * 8, 2880, dtype=torch.bfloat16)
+    on_cuda = [t.cuda() for t in (x_TH, y_PH, order_P, slot_TK, weights_TK)]
+    x_c, y_c, order_c, slot_c, w_c = on_cuda
+    assert torch.equal(moe_permute(x_c, order_c, slot_c, impl="cuda").cpu(),
+                       moe_permute(x_TH, order_P, slot_TK, impl="cpu"))
+    # the same fp32 sums in the same order; only the contraction of multiply-adds may differ
+    torch.testing.assert_close(moe_unpermute(y_c, slot_c, w_c, impl="cuda").cpu(),
+                               moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu"), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_auto_uses_the_kernel_and_fp64_uses_the_reference(impl):
+    order_P, slot_TK, weights_TK = _routing(9, 2, 4, impl)
+    x_TH = torch.randn(9, 16, device=impl, dtype=torch.float64, requires_grad=True)
+    x_PH = moe_permute(x_TH, order_P, slot_TK)
+    assert x_PH.dtype == torch.float64 and "MoEPermute" not in type(x_PH.grad_fn).__name__
+    x_PH = moe_permute(x_TH.float(), order_P, slot_TK)
+    assert "MoEPermute" in type(x_PH.grad_fn).__name__
+    out_TH = moe_unpermute(x_PH, slot_TK, weights_TK)
+    assert "MoEUnpermute" in type(out_TH.grad_fn).__name__
+    torch.testing.assert_close(out_TH, moe_unpermute_reference(x_PH, slot_TK, weights_TK))
+    torch.testing.assert_close(x_PH, moe_permute_reference(x_TH.float(), order_P, slot_TK))
