@@ -1,0 +1,323 @@
+"""ExpertMaskedMoE under DeepSpeed (CPU accelerator, gloo, several processes).
+
+- Groups and parameter groups: DeepSpeed sees the layer as an MoE layer, the expert weights land in 'moe'
+  optimizer groups reduced over the expert-data-parallel group, the all-to-all runs over DeepSpeed's
+  expert-parallel group.
+- Global gradient norm under expert parallelism, ZeRO 0/1/2 with gradient clipping: the engine's reported
+  norm and the parameters after each step equal a single process holding every expert on the whole batch.
+- save_checkpoint / load_checkpoint under ZeRO 0/1/2: a fresh engine that loads the checkpoint takes the next
+  step bitwise like the engine that saved it; the same checkpoint loads under another ep_size and, through
+  the module state dict, into transformers' MixtralSparseMoeBlock.
+"""
+
+import logging
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from ds_loongforge.modules.moe import ExpertMaskedMoE  # noqa: E402
+from ds_loongforge.modules.moe_deepspeed import (  # noqa: E402
+    DEEPSPEED_EXPERT_KEY, DeepSpeedExpertMaskedMoE, DeepSpeedStackedExperts, moe_param_groups)
+
+H, INTER, E, K = 16, 32, 4, 2
+TOKENS = 12          # per rank and step
+CLIP = 0.02          # below the gradient norms here (0.07 and up), so every step clips
+LR = 0.5
+STEPS = 3
+SPAWN_TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, *args) -> None:
+    """mp.spawn with a deadline: a hung collective fails the test instead of blocking CI."""
+    context = mp.spawn(fn, args=(world, _free_port()) + args, nprocs=world, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__} with {world} processes did not finish within {SPAWN_TIMEOUT_S} s")
+
+
+def _setup_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+
+
+class _Net(nn.Module):
+    """A dense layer in front of the MoE layer: dense and expert parameters in one model."""
+
+    def __init__(self, moe: ExpertMaskedMoE):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.moe = moe
+
+    def forward(self, x, target):
+        return (self.moe(torch.tanh(self.proj(x))) - target).pow(2).mean()
+
+
+def _reference(seed: int) -> _Net:
+    torch.manual_seed(seed)
+    return _Net(ExpertMaskedMoE(H, INTER, E, K, impl="cpu"))
+
+
+def _deepspeed_net(reference: _Net, ep_size: int, ep_rank: int) -> _Net:
+    """The reference's weights, this rank's experts only."""
+    net = _Net(DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=ep_size))
+    local = E // ep_size
+    experts = slice(ep_rank * local, (ep_rank + 1) * local)
+    with torch.no_grad():
+        net.proj.load_state_dict(reference.proj.state_dict())
+        net.moe.gate.weight.copy_(reference.moe.gate.weight)
+        net.moe.experts.gate_up_proj.copy_(reference.moe.experts.gate_up_proj[experts])
+        net.moe.experts.down_proj.copy_(reference.moe.experts.down_proj[experts])
+    return net
+
+
+def _batches(world: int, seed: int, steps: int = STEPS):
+    g = torch.Generator().manual_seed(seed + 1)
+    return [(torch.randn(world, TOKENS, H, generator=g), torch.randn(world, TOKENS, H, generator=g))
+            for _ in range(steps)]
+
+
+def _config(stage: int, optimizer: bool = False, dtype: str = "fp32") -> dict:
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": dtype == "bf16"}, "steps_per_print": 10**9}
+    if optimizer:  # DeepSpeed builds it (and splits the MoE groups itself); torch's AdamW on CPU
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
+    return config
+
+
+def _params(net: nn.Module) -> dict:
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# groups, parameter groups, state dict layout (single process is enough for the parts without a group)
+
+
+def test_param_groups_split_experts_and_keep_transformers_names():
+    net = _Net(DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu"))
+    assert isinstance(net.moe.experts, DeepSpeedStackedExperts)
+    assert isinstance(net.moe.experts, deepspeed.moe.layer.MoE)  # what DeepSpeedEngine scans for
+    assert set(net.moe.state_dict()) == {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
+    groups = moe_param_groups(net, lr=0.1)
+    assert [(g["name"], g.get("moe", False), len(g["params"])) for g in groups] == [
+        ("dense-params", False, 3), ("ep_size_1", True, 2)]
+    assert all(g["lr"] == 0.1 for g in groups)
+    expert_ids = {id(p) for p in net.moe.experts.parameters()}
+    assert {id(p) for p in groups[1]["params"]} == expert_ids
+    assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in net.moe.experts.parameters())
+
+
+def test_experts_state_dict_speaks_deepspeed_per_expert_layout():
+    moe = DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu")
+    per_expert = moe.experts.state_dict()   # a call on the experts module itself: _save_moe_checkpoint's view
+    assert set(per_expert) == {f"{DEEPSPEED_EXPERT_KEY}.{j}.{n}" for j in range(E) for n in ("gate_up_proj",
+                                                                                              "down_proj")}
+    assert torch.equal(per_expert[f"{DEEPSPEED_EXPERT_KEY}.2.down_proj"], moe.experts.down_proj[2])
+    other = DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu")
+    state = {"gate.weight": moe.gate.weight.detach()}
+    state.update({f"experts.{k}": v for k, v in per_expert.items()})
+    other.load_state_dict(state)   # what load_moe_state_dict hands the model: per-expert keys, stacked here
+    for a, b in zip(moe.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    del state[f"experts.{DEEPSPEED_EXPERT_KEY}.3.gate_up_proj"]
+    with pytest.raises(RuntimeError, match="DeepSpeed per-expert checkpoint keys missing"):
+        other.load_state_dict(state)
+
+
+def test_ep_size_needs_a_bound_group():
+    moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=2)
+    assert moe.experts.gate_up_proj.shape[0] == 2
+    with pytest.raises(RuntimeError, match="ep_size=2 but no expert-parallel group is bound"):
+        moe(torch.randn(3, H))
+    with pytest.raises(ValueError, match="ep_size must be >= 1, got 0"):
+        ExpertMaskedMoE(H, INTER, E, K, ep_size=0)
+    with pytest.raises(TypeError, match="takes ep_size"):
+        DeepSpeedExpertMaskedMoE(H, INTER, E, K, ep_group=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# global gradient norm and clipping under expert parallelism
+
+
+def _norm_worker(rank, world, port, runs, seed, out_dir):
+    _setup_env(rank, world, port)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from deepspeed.utils import groups
+
+    reference = _reference(seed)
+    batches = _batches(world, seed)
+    results = {}
+    for ep_size, stage, dtype in runs:
+        net = _deepspeed_net(reference, ep_size, rank % ep_size)   # dist is up: the layer binds its group now
+        group_name = f"ep_size_{ep_size}"
+        assert net.moe.ep_group is (groups._get_expert_parallel_group(group_name) if ep_size > 1 else None)
+        optimizer = torch.optim.SGD(moe_param_groups(net), lr=LR)
+        engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=_config(stage, dtype=dtype))
+        assert engine.has_moe_layers and engine.num_experts == [E]
+        if stage:
+            moe_groups = [i for i, g in enumerate(engine.optimizer.optimizer.param_groups) if g.get("moe")]
+            assert [engine.optimizer.real_dp_process_group[i] for i in moe_groups] == [
+                groups._get_expert_data_parallel_group(group_name)]
+        norms, params = [], []
+        cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+        for x, target in batches:
+            loss = engine(x[rank].to(cast), target[rank].to(cast))
+            engine.backward(loss)
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+            params.append({name: p.float() for name, p in _params(net).items()})
+        results[ep_size, stage, dtype] = {"norms": norms, "params": params}
+    torch.save(results, f"{out_dir}/norm{rank}.pt")
+
+
+def _reference_run(seed: int, world: int):
+    net = _reference(seed)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    norms, params = [], []
+    for x, target in _batches(world, seed):
+        optimizer.zero_grad()
+        net(x.reshape(-1, H), target.reshape(-1, H)).backward()   # every rank's tokens, equal shares
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        optimizer.step()
+        params.append(_params(net))
+    return norms, params
+
+
+def _assert_rank_matches_reference(got: dict, want: dict, rank: int, ep_size: int, what: str, tol: dict) -> None:
+    local = E // ep_size
+    experts = slice((rank % ep_size) * local, (rank % ep_size + 1) * local)
+    for name, value in got.items():
+        expected = want[name][experts] if ".experts." in name else want[name]
+        torch.testing.assert_close(value, expected, **tol, msg=lambda m, n=name: f"{what}, rank {rank}, {n}: {m}")
+
+
+# (norm rel. tolerance, parameter tolerance) against the fp32 reference; bf16 rounds weights and gradients,
+# and its norm would still be 15-20% low without the expert gradients (DeepSpeed's unfused 16-bit path)
+TOLERANCES = {"fp32": (1e-5, {"rtol": 1e-5, "atol": 1e-6}), "bf16": (2e-2, {"rtol": 0.0, "atol": 1e-2})}
+
+
+@pytest.mark.parametrize("world,runs", [
+    # ep = world: each rank holds half the experts; ZeRO 0/1/2 in fp32, and bf16 without ZeRO (DeepSpeed's
+    # FP16_UnfusedOptimizer for a client optimizer) and with ZeRO-2
+    pytest.param(2, [(2, 0, "fp32"), (2, 1, "fp32"), (2, 2, "fp32"), (2, 0, "bf16"), (2, 2, "bf16")], id="world2"),
+    # ep 2: expert-data-parallel pairs {0,2}, {1,3} hold the same experts; ep 4 = world
+    pytest.param(4, [(ep, stage, "fp32") for ep in (2, 4) for stage in (0, 1, 2)], id="world4"),
+])
+def test_global_grad_norm_and_clipping_match_single_process(world, runs, tmp_path):
+    seed = int(torch.randint(0, 2**31, ()))
+    _spawn(_norm_worker, world, runs, seed, str(tmp_path))
+    want_norms, want_params = _reference_run(seed, world)
+    assert min(want_norms) > CLIP   # clipping is active on every step
+    for rank in range(world):
+        results = torch.load(tmp_path / f"norm{rank}.pt")
+        assert list(results) == runs
+        for (ep_size, stage, dtype), result in results.items():
+            what = f"ep_size {ep_size}, ZeRO-{stage}, {dtype}"
+            norm_rel, param_tol = TOLERANCES[dtype]
+            assert result["norms"] == pytest.approx(want_norms, rel=norm_rel), f"{what}, rank {rank}"
+            for step, params in enumerate(result["params"]):
+                _assert_rank_matches_reference(params, want_params[step], rank, ep_size, f"{what}, step {step}",
+                                               param_tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _checkpoint_worker(rank, world, port, seed, ckpt_dir, out_dir):
+    _setup_env(rank, world, port)
+    ep_size = world
+    reference = _reference(seed)
+    batches = _batches(world, seed, steps=4)
+
+    def train(engine, steps):
+        for x, target in steps:
+            loss = engine(x[rank], target[rank])
+            engine.backward(loss)
+            engine.step()
+
+    results = {}
+    for stage in (0, 1, 2):
+        # built before torch.distributed is up: deepspeed.initialize gives the layer its group
+        net = _deepspeed_net(reference, ep_size, rank)
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                          config=_config(stage, optimizer=True))
+        train(engine, batches[:3])
+        saved = _params(net)
+        engine.save_checkpoint(f"{ckpt_dir}/zero{stage}", tag="step3")
+        train(engine, batches[3:])
+        continued = _params(net)
+
+        fresh = _deepspeed_net(_reference(seed + 7), ep_size, rank)
+        engine, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
+                                          config=_config(stage, optimizer=True))
+        load_path, _ = engine.load_checkpoint(f"{ckpt_dir}/zero{stage}", tag="step3")
+        assert load_path is not None
+        loaded = _params(fresh)
+        assert engine.global_steps == 3
+        train(engine, batches[3:])
+        results[stage] = {"saved": saved, "loaded": loaded, "continued": continued, "resumed": _params(fresh)}
+
+    # the ZeRO-1 checkpoint (written with ep_size = world) under ep_size 1: every rank holds all experts
+    whole = _deepspeed_net(_reference(seed + 9), 1, 0)
+    engine, *_ = deepspeed.initialize(model=whole, model_parameters=whole.parameters(),
+                                      config=_config(1, optimizer=True))
+    engine.load_checkpoint(f"{ckpt_dir}/zero1", tag="step3", load_module_only=True, load_optimizer_states=False)
+    results["ep1"] = {"params": _params(whole), "moe_state": {k: v.clone() for k, v in whole.moe.state_dict().items()}}
+    torch.save(results, f"{out_dir}/ckpt{rank}.pt")
+
+
+def test_checkpoint_round_trip_bitwise_and_across_ep_sizes(tmp_path):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    world, seed = 2, int(torch.randint(0, 2**31, ()))
+    _spawn(_checkpoint_worker, world, seed, str(tmp_path / "ckpt"), str(tmp_path))
+    results = [torch.load(tmp_path / f"ckpt{rank}.pt") for rank in range(world)]
+
+    files = sorted(os.listdir(tmp_path / "ckpt" / "zero1" / "step3"))
+    assert [f for f in files if f.startswith("layer_")] == [
+        f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(E)]
+    expert_file = torch.load(tmp_path / "ckpt" / "zero1" / "step3" / "layer_0_expert_3_mp_rank_00_model_states.pt")
+    assert set(expert_file) == {f"moe.experts.{DEEPSPEED_EXPERT_KEY}.3.{n}" for n in ("gate_up_proj", "down_proj")}
+    dense = torch.load(tmp_path / "ckpt" / "zero1" / "step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert set(dense["module"]) == {"proj.weight", "proj.bias", "moe.gate.weight"}
+
+    for rank, result in enumerate(results):
+        for stage in (0, 1, 2):
+            r = result[stage]
+            for name in r["saved"]:
+                assert torch.equal(r["loaded"][name], r["saved"][name]), f"ZeRO-{stage} rank {rank} {name} loaded"
+                assert torch.equal(r["resumed"][name], r["continued"][name]), (
+                    f"ZeRO-{stage} rank {rank} {name}: the step after loading differs from the step after saving")
+            assert not torch.equal(r["continued"]["moe.experts.down_proj"], r["saved"]["moe.experts.down_proj"])
+
+    # ep_size 1 sees every expert at its global position, on every rank
+    full = {name: torch.cat([results[rank][1]["saved"][name] for rank in range(world)])
+            if ".experts." in name else results[0][1]["saved"][name] for name in results[0][1]["saved"]}
+    for rank in range(world):
+        for name, value in results[rank]["ep1"]["params"].items():
+            assert torch.equal(value, full[name]), f"ep_size 1, rank {rank}, {name}"
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E, num_experts_per_tok=K)
+    block = MixtralSparseMoeBlock(cfg)
+    block.load_state_dict(results[0]["ep1"]["moe_state"], strict=True)
+    assert torch.equal(block.experts.gate_up_proj, full["moe.experts.gate_up_proj"])
