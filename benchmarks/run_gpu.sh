@@ -40,14 +40,18 @@ print(json.dumps({"cached_load_seconds_both_ops": round(t2 - t1, 2), "import_tor
 PY
 export TORCH_EXTENSIONS_DIR=/tmp/lf_ext_parallel
 rm -rf "$TORCH_EXTENSIONS_DIR"
-python3 - >> "$OUT/build.json" <<'PY'
+# build_ops spawns one process per op, and a spawned child re-imports the parent's main script: so this
+# one is a file, not stdin (python3 - fails there with "No such file or directory: '<stdin>'")
+cat > /tmp/lf_build_ops.py <<'PY'
 import json, time
 from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedSwiGLUBuilder, build_ops
-t = time.time()
-results = build_ops([FusedRMSNormBuilder(), FusedSwiGLUBuilder()])
-assert all(not isinstance(m, Exception) for m in results.values()), results
-print(json.dumps({"cold_jit_seconds_both_ops_build_ops_parallel": round(time.time() - t, 2)}))
+if __name__ == "__main__":
+    t = time.time()
+    results = build_ops([FusedRMSNormBuilder(), FusedSwiGLUBuilder()])
+    assert all(not isinstance(m, Exception) for m in results.values()), results
+    print(json.dumps({"cold_jit_seconds_both_ops_build_ops_parallel": round(time.time() - t, 2)}))
 PY
+python3 /tmp/lf_build_ops.py >> "$OUT/build.json"
 cat "$OUT/build.json"
 
 python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25

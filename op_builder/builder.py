@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -277,7 +278,10 @@ def build_ops(builders: list, max_parallel: int | None = None) -> dict[str, obje
     pending = [b for b in builders if b.prebuilt_module() is None and not b.jit_cached()
                and b.compatibility_problem() is None]
     failures: dict[str, OpBuildError] = {}
-    if len(pending) > 1:
+    # a spawned child re-imports the parent's main script; one read from stdin ("<stdin>") cannot be, so
+    # such a parent builds one op after the other below instead of failing
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if len(pending) > 1 and (main_file is None or os.path.exists(main_file)):
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=max_parallel or len(pending), mp_context=context) as pool:
             futures = {b.NAME: pool.submit(_build_in_child, type(b).__module__, type(b).__qualname__)

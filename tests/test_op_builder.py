@@ -223,3 +223,31 @@ def test_build_ops_builds_concurrently_and_isolates_a_failure(tmp_path, monkeypa
     broken = results["lf_test_broken_parallel"]
     assert isinstance(broken, OpBuildError) and "broken.cpp" in broken.compiler_tail
     assert FusedRMSNormCPUBuilder().jit_cached() and FusedSwiGLUCPUBuilder().jit_cached()
+
+
+def test_build_ops_from_a_stdin_script_builds_one_after_the_other(tmp_path):
+    """A spawned child cannot re-import a main script read from stdin: build_ops must not fail there (it
+    did on the device, run_gpu.sh feeding it through `python3 -`), but build the ops in this process."""
+    for name in ("a", "b"):
+        (tmp_path / f"broken_{name}.cpp").write_text("int broken( {\n")
+    script = textwrap.dedent(f"""
+        from ds_loongforge.op_builder.builder import LFCPUOpBuilder, OpBuildError, build_ops
+
+        class BrokenA(LFCPUOpBuilder):
+            NAME = "lf_test_stdin_a"
+            BUILD_VAR = "LF_BUILD_TEST_STDIN"
+            SOURCES = ({str(tmp_path / 'broken_a.cpp')!r},)
+
+        class BrokenB(BrokenA):
+            NAME = "lf_test_stdin_b"
+            SOURCES = ({str(tmp_path / 'broken_b.cpp')!r},)
+
+        results = build_ops([BrokenA(), BrokenB()])
+        assert all(isinstance(r, OpBuildError) for r in results.values()), results
+        print("both reported", sorted(results))
+    """)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "both reported ['lf_test_stdin_a', 'lf_test_stdin_b']" in done.stdout

@@ -14,8 +14,51 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <sstream>
 #include <string>
+#include <type_traits>
+
+// LF_CHECK(cond, pieces...): TORCH_CHECK with the message assembled here, numbers by std::to_string.
+// On the device image (torch 2.11 wheel with the system libstdc++) an extension that streams an integer
+// or a shape into a TORCH_CHECK message segfaults instead of raising, while streamed strings, dtypes and
+// devices are fine (benchmarks/results/check_msg_8e950be.log). So every number goes through a string.
+namespace loongforge {
+namespace detail {
+inline void lf_append(std::string& s, const char* v) { s += v; }
+inline void lf_append(std::string& s, const std::string& v) { s += v; }
+inline void lf_append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+inline void lf_append(std::string& s, T v) {
+    s += std::to_string(v);
+}
+template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+inline void lf_append(std::string& s, T v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+    s += buf;
+}
+inline void lf_append(std::string& s, c10::IntArrayRef v) {
+    s += '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+        if (i) s += ", ";
+        s += std::to_string(v[i]);
+    }
+    s += ']';
+}
+inline void lf_append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void lf_append(std::string& s, const c10::Device& v) { s += v.str(); }
+inline void lf_append(std::string& s, c10::DeviceType v) { s += c10::DeviceTypeName(v, /*lower_case=*/true); }
+template <typename... Args>
+std::string lf_msg(const Args&... args) {
+    std::string s;
+    (lf_append(s, args), ...);
+    return s;
+}
+}  // namespace detail
+}  // namespace loongforge
+
+#define LF_CHECK(cond, ...) TORCH_CHECK(cond, ::loongforge::detail::lf_msg(__VA_ARGS__))
 
 #if defined(__CUDACC__)
 #define LF_HOST_DEVICE __host__ __device__ __forceinline__
@@ -24,25 +67,25 @@
 #endif
 
 #define LF_CHECK_CUDA(x) \
-    TORCH_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got a tensor on ", (x).device())
+    LF_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got a tensor on ", (x).device())
 #define LF_CHECK_CPU(x) \
-    TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got a tensor on ", (x).device())
+    LF_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got a tensor on ", (x).device())
 #define LF_CHECK_CONTIGUOUS(x) \
-    TORCH_CHECK((x).is_contiguous(), #x " must be contiguous, got strides ", (x).strides())
+    LF_CHECK((x).is_contiguous(), #x " must be contiguous, got strides ", (x).strides())
 #define LF_CHECK_DIM(x, d) \
-    TORCH_CHECK((x).dim() == (d), #x " must have ", d, " dimensions, got shape ", (x).sizes())
+    LF_CHECK((x).dim() == (d), #x " must have ", d, " dimensions, got shape ", (x).sizes())
 #define LF_CHECK_SHAPE(x, ...)                                                                   \
-    TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ \
+    LF_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ \
                 "), got ", (x).sizes())
 #define LF_CHECK_DTYPE(x, dt) \
-    TORCH_CHECK((x).scalar_type() == (dt), #x " must have dtype ", dt, ", got ", (x).scalar_type())
+    LF_CHECK((x).scalar_type() == (dt), #x " must have dtype ", dt, ", got ", (x).scalar_type())
 #define LF_CHECK_FLOATING(x)                                                                       \
-    TORCH_CHECK((x).scalar_type() == at::kFloat || (x).scalar_type() == at::kHalf ||               \
+    LF_CHECK((x).scalar_type() == at::kFloat || (x).scalar_type() == at::kHalf ||               \
                     (x).scalar_type() == at::kBFloat16,                                            \
                 #x " must be float32, float16 or bfloat16, got ", (x).scalar_type())
 // A 2-D view whose rows may be strided but whose elements within a row are adjacent.
 #define LF_CHECK_ROWS(x)                                                                       \
-    TORCH_CHECK((x).dim() == 2 && ((x).size(1) <= 1 || (x).stride(1) == 1),                    \
+    LF_CHECK((x).dim() == 2 && ((x).size(1) <= 1 || (x).stride(1) == 1),                    \
                 #x " must be a 2-D view with unit stride along the last dimension, got shape ", \
                 (x).sizes(), " and strides ", (x).strides())
 
@@ -63,7 +106,7 @@
                 return __VA_ARGS__();                                                  \
             }                                                                          \
             default:                                                                   \
-                TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE,                 \
+                LF_CHECK(false, NAME, ": unsupported dtype ", TYPE,                 \
                             " (supported: float32, float16, bfloat16)");               \
         }                                                                              \
     }()

@@ -11,22 +11,22 @@ namespace loongforge {
 
 inline void check_dispatch_tensor_on(const at::Tensor& t, const at::Tensor& first, const char* op, const char* name,
                                      c10::DeviceType device) {
-    TORCH_CHECK(t.device().type() == device, op, ": ", name, " must be on ", device, ", got a tensor on ",
+    LF_CHECK(t.device().type() == device, op, ": ", name, " must be on ", device, ", got a tensor on ",
                 t.device());
-    TORCH_CHECK(t.device() == first.device(), op, ": ", name, " is on ", t.device(), " but the rows are on ",
+    LF_CHECK(t.device() == first.device(), op, ": ", name, " is on ", t.device(), " but the rows are on ",
                 first.device());
 }
 
 // Activation rows [R, H]: float dtype, unit stride along H (a row stride is allowed).
 inline void check_dispatch_rows(const at::Tensor& rows, const char* op, const char* name, c10::DeviceType device) {
     check_dispatch_tensor_on(rows, rows, op, name, device);
-    TORCH_CHECK(rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1), op, ": ", name,
+    LF_CHECK(rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1), op, ": ", name,
                 " must be a 2-D view with unit stride along the last dimension, got shape ", rows.sizes(),
                 " and strides ", rows.strides());
-    TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kHalf ||
+    LF_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kHalf ||
                     rows.scalar_type() == at::kBFloat16,
                 op, ": ", name, " must be float32, float16 or bfloat16, got ", rows.scalar_type());
-    TORCH_CHECK(rows.size(1) <= std::numeric_limits<int>::max(), op, ": hidden size must be below 2^31, got ",
+    LF_CHECK(rows.size(1) <= std::numeric_limits<int>::max(), op, ": hidden size must be below 2^31, got ",
                 rows.size(1));
 }
 
@@ -37,17 +37,17 @@ inline void check_dispatch_slot(const at::Tensor& slot_TK, const at::Tensor& row
     LF_CHECK_DIM(slot_TK, 2);
     LF_CHECK_CONTIGUOUS(slot_TK);
     LF_CHECK_DTYPE(slot_TK, at::kLong);
-    TORCH_CHECK(slot_TK.size(1) <= std::numeric_limits<int>::max(), op, ": K must be below 2^31, got ",
+    LF_CHECK(slot_TK.size(1) <= std::numeric_limits<int>::max(), op, ": K must be below 2^31, got ",
                 slot_TK.size(1));
 }
 
 inline void check_pair_rows(const at::Tensor& rows_PH, const at::Tensor& slot_TK, const char* op, const char* name) {
-    TORCH_CHECK(rows_PH.size(0) == slot_TK.numel(), op, ": ", name, " has ", rows_PH.size(0),
+    LF_CHECK(rows_PH.size(0) == slot_TK.numel(), op, ": ", name, " has ", rows_PH.size(0),
                 " rows but slot_TK ", slot_TK.sizes(), " holds T*K = ", slot_TK.numel(), " pairs");
 }
 
 inline void check_token_rows(const at::Tensor& rows_TH, const at::Tensor& slot_TK, const char* op, const char* name) {
-    TORCH_CHECK(rows_TH.size(0) == slot_TK.size(0), op, ": ", name, " has ", rows_TH.size(0),
+    LF_CHECK(rows_TH.size(0) == slot_TK.size(0), op, ": ", name, " has ", rows_TH.size(0),
                 " rows (tokens) but slot_TK ", slot_TK.sizes(), " has ", slot_TK.size(0));
 }
 
@@ -57,7 +57,7 @@ inline void check_dispatch_weights(const at::Tensor& weights_TK, const at::Tenso
     check_dispatch_tensor_on(weights_TK, rows, op, "weights_TK", device);
     LF_CHECK_CONTIGUOUS(weights_TK);
     LF_CHECK_DTYPE(weights_TK, at::kFloat);
-    TORCH_CHECK(weights_TK.sizes() == slot_TK.sizes(), op, ": weights_TK shape ", weights_TK.sizes(),
+    LF_CHECK(weights_TK.sizes() == slot_TK.sizes(), op, ": weights_TK shape ", weights_TK.sizes(),
                 " differs from slot_TK shape ", slot_TK.sizes());
 }
 
@@ -93,7 +93,7 @@ inline void check_unpermute_bwd_args(const at::Tensor& dout_TH, const c10::optio
         check_dispatch_rows(*y_PH, op, "y_PH", device);
         check_dispatch_tensor_on(*y_PH, dout_TH, op, "y_PH", device);
         check_pair_rows(*y_PH, slot_TK, op, "y_PH");
-        TORCH_CHECK(y_PH->size(1) == dout_TH.size(1) && y_PH->scalar_type() == dout_TH.scalar_type(), op,
+        LF_CHECK(y_PH->size(1) == dout_TH.size(1) && y_PH->scalar_type() == dout_TH.scalar_type(), op,
                     ": y_PH (hidden ", y_PH->size(1), ", ", y_PH->scalar_type(), ") must match the grad of out_TH (hidden ",
                     dout_TH.size(1), ", ", dout_TH.scalar_type(), ")");
     }

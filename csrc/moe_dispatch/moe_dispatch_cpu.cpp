@@ -21,9 +21,9 @@ void check_slot_is_permutation(const at::Tensor& slot_TK) {
     std::vector<bool> taken(pairs, false);
     for (int64_t i = 0; i < pairs; ++i) {
         const int64_t p = slot[i];
-        TORCH_CHECK(p >= 0 && p < pairs, "moe_dispatch: slot_TK[", i / k, ", ", i % k, "] = ", p,
+        LF_CHECK(p >= 0 && p < pairs, "moe_dispatch: slot_TK[", i / k, ", ", i % k, "] = ", p,
                     " is outside [0, T*K) = [0, ", pairs, "); use routing_indices() to build slot_TK");
-        TORCH_CHECK(!taken[p], "moe_dispatch: slot_TK holds row ", p, " twice (again at [", i / k, ", ", i % k,
+        LF_CHECK(!taken[p], "moe_dispatch: slot_TK holds row ", p, " twice (again at [", i / k, ", ", i % k,
                     "]); it must be a permutation of [0, T*K), as routing_indices() returns it");
         taken[p] = true;
     }

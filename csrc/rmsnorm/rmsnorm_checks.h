@@ -9,22 +9,22 @@
 namespace loongforge {
 
 inline void check_on(const at::Tensor& t, const char* name, c10::DeviceType device) {
-    TORCH_CHECK(t.device().type() == device, "rmsnorm: ", name, " must be on ", device, ", got a tensor on ",
+    LF_CHECK(t.device().type() == device, "rmsnorm: ", name, " must be on ", device, ", got a tensor on ",
                 t.device());
 }
 
 inline void check_rmsnorm_rows_and_weight(const at::Tensor& x, const at::Tensor& weight, c10::DeviceType device) {
     check_on(x, "x", device);
     check_on(weight, "weight", device);
-    TORCH_CHECK(x.get_device() == weight.get_device(), "rmsnorm: input on ", x.device(), " but weight on ",
+    LF_CHECK(x.get_device() == weight.get_device(), "rmsnorm: input on ", x.device(), " but weight on ",
                 weight.device());
     LF_CHECK_ROWS(x);
     LF_CHECK_FLOATING(x);
     LF_CHECK_DIM(weight, 1);
     LF_CHECK_CONTIGUOUS(weight);
-    TORCH_CHECK(weight.size(0) == x.size(1), "rmsnorm: weight has ", weight.size(0),
+    LF_CHECK(weight.size(0) == x.size(1), "rmsnorm: weight has ", weight.size(0),
                 " elements but the input rows have ", x.size(1), "; the weight must match the hidden size");
-    TORCH_CHECK(x.size(1) > 0 && x.size(1) <= std::numeric_limits<int>::max() / 2,
+    LF_CHECK(x.size(1) > 0 && x.size(1) <= std::numeric_limits<int>::max() / 2,
                 "rmsnorm: hidden size must be in [1, 2^30), got ", x.size(1));
 }
 
@@ -34,12 +34,12 @@ inline void check_rmsnorm_fwd_args(const at::Tensor& x, const c10::optional<at::
     if (residual.has_value() && residual->defined()) {
         check_on(*residual, "residual", device);
         LF_CHECK_ROWS(*residual);
-        TORCH_CHECK(residual->sizes() == x.sizes(), "rmsnorm: residual shape ", residual->sizes(),
+        LF_CHECK(residual->sizes() == x.sizes(), "rmsnorm: residual shape ", residual->sizes(),
                     " differs from input shape ", x.sizes());
-        TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "rmsnorm: residual dtype ",
+        LF_CHECK(residual->scalar_type() == x.scalar_type(), "rmsnorm: residual dtype ",
                     residual->scalar_type(), " differs from input dtype ", x.scalar_type());
     }
-    TORCH_CHECK(eps >= 0, "rmsnorm: eps must be >= 0, got ", eps);
+    LF_CHECK(eps >= 0, "rmsnorm: eps must be >= 0, got ", eps);
 }
 
 inline void check_rmsnorm_bwd_args(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd,
@@ -48,9 +48,9 @@ inline void check_rmsnorm_bwd_args(const at::Tensor& dy, const at::Tensor& h, co
     check_rmsnorm_rows_and_weight(h, weight, device);
     check_on(dy, "dy", device);
     LF_CHECK_CONTIGUOUS(dy);
-    TORCH_CHECK(dy.sizes() == h.sizes(), "rmsnorm_bwd: grad shape ", dy.sizes(), " differs from input shape ",
+    LF_CHECK(dy.sizes() == h.sizes(), "rmsnorm_bwd: grad shape ", dy.sizes(), " differs from input shape ",
                 h.sizes());
-    TORCH_CHECK(dy.scalar_type() == h.scalar_type(), "rmsnorm_bwd: grad dtype ", dy.scalar_type(),
+    LF_CHECK(dy.scalar_type() == h.scalar_type(), "rmsnorm_bwd: grad dtype ", dy.scalar_type(),
                 " differs from input dtype ", h.scalar_type());
     check_on(rstd, "rstd", device);
     LF_CHECK_DTYPE(rstd, at::kFloat);
@@ -58,7 +58,7 @@ inline void check_rmsnorm_bwd_args(const at::Tensor& dy, const at::Tensor& h, co
     if (dresidual.has_value() && dresidual->defined()) {
         check_on(*dresidual, "dresidual", device);
         LF_CHECK_CONTIGUOUS(*dresidual);
-        TORCH_CHECK(dresidual->sizes() == h.sizes() && dresidual->scalar_type() == h.scalar_type(),
+        LF_CHECK(dresidual->sizes() == h.sizes() && dresidual->scalar_type() == h.scalar_type(),
                     "rmsnorm_bwd: residual grad must match the input, got ", dresidual->sizes(), " ",
                     dresidual->scalar_type());
     }
@@ -72,7 +72,7 @@ void dispatch_weight(const at::Tensor& weight, const char* name, const auto& fn)
     } else if (weight.scalar_type() == at::kFloat) {
         fn.template operator()<float>();
     } else {
-        TORCH_CHECK(false, name, ": weight dtype must equal the input dtype or be float32, got weight ",
+        LF_CHECK(false, name, ": weight dtype must equal the input dtype or be float32, got weight ",
                     weight.scalar_type(), " for input ", c10::CppTypeToScalarType<T>::value);
     }
 }

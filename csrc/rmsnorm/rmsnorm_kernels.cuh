@@ -316,7 +316,7 @@ void dispatch_vpt(int vpt, const auto& fn) {
         case 1: fn.template operator()<V, 1>(); break;
         case 2: fn.template operator()<V, 2>(); break;
         case 4: fn.template operator()<V, 4>(); break;
-        default: TORCH_CHECK(false, "rmsnorm: internal error, unexpected vectors per thread ", vpt);
+        default: LF_CHECK(false, "rmsnorm: internal error, unexpected vectors per thread ", vpt);
     }
 }
 

@@ -164,10 +164,10 @@ def test_bad_input_is_a_clear_error(impl):
         moe_unpermute(y_PH.bfloat16(), slot_TK, weights_TK.double(), impl=impl)
 
 
-def test_kernel_checks_name_the_values():
-    # CPU only: both builds share these checks (moe_dispatch_checks.h), and on the device image any extension
-    # whose TORCH_CHECK message formats a number segfaults (seen with a 3-line load_inline module too)
-    impl = "cpu"
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_checks_name_the_values(impl):
+    # numbers and shapes in these messages are formatted by LF_CHECK: on the device image an extension that
+    # streams an integer into a TORCH_CHECK message segfaults (benchmarks/results/check_msg_8e950be.log)
     kernel = _BUILDERS[impl]().load()
     _, slot_TK, weights_TK = _routing(6, 2, 4, impl)
     x_TH = torch.randn(6, 8, device=impl)

@@ -121,6 +121,24 @@ def test_rmsnorm_rejects_bad_input(impl):
         fused_rmsnorm(x.bfloat16(), torch.ones(64, device=impl, dtype=torch.float16), impl=impl)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_checks_name_the_values(impl):
+    # straight into the compiled kernel (the Python op checks first): numbers and shapes in its messages
+    # are formatted by LF_CHECK, which the device image needs (an extension streaming an integer crashed)
+    from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
+
+    kernel = (FusedRMSNormBuilder if impl == "cuda" else FusedRMSNormCPUBuilder)().load()
+    x = torch.randn(4, 64, device=impl)
+    with pytest.raises(RuntimeError, match="weight has 65 elements but the input rows have 64"):
+        kernel.forward(x, None, torch.ones(65, device=impl), 1e-6)
+    with pytest.raises(RuntimeError, match=r"residual shape \[4, 32\] differs from input shape \[4, 64\]"):
+        kernel.forward(x, torch.randn(4, 32, device=impl), torch.ones(64, device=impl), 1e-6)
+    with pytest.raises(RuntimeError, match="eps must be >= 0, got -0.5"):
+        kernel.forward(x, None, torch.ones(64, device=impl), -0.5)
+    with pytest.raises(RuntimeError, match=r"got shape \[64, 4\] and strides \[1, 64\]"):
+        kernel.forward(x.t(), None, torch.ones(4, device=impl), 1e-6)
+
+
 def test_rmsnorm_empty_input():
     x = torch.randn(0, 64, requires_grad=True)
     w = torch.ones(64, requires_grad=True)

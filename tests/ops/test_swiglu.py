@@ -143,6 +143,20 @@ def test_swiglu_rejects_bad_input(impl):
         swiglu_dropout(torch.randn(2, 8, device=impl), 0.1, seed=-1, impl=impl)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_checks_name_the_values(impl):
+    # straight into the compiled kernel: numbers in its messages are formatted by LF_CHECK (see lf_common.h)
+    from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
+
+    kernel = (FusedSwiGLUBuilder if impl == "cuda" else FusedSwiGLUCPUBuilder)().load()
+    with pytest.raises(RuntimeError, match="must be even, got 7"):
+        kernel.forward(torch.randn(2, 7, device=impl), 0.0, 0, 0)
+    with pytest.raises(RuntimeError, match=r"p must be in \[0, 1\), got 1.5"):
+        kernel.forward(torch.randn(2, 8, device=impl), 1.5, 0, 0)
+    with pytest.raises(RuntimeError, match=r"dout must have shape .*got \[2, 3\]"):
+        kernel.backward(torch.randn(2, 3, device=impl), torch.randn(2, 8, device=impl), 0.0, 0, 0)
+
+
 @pytest.mark.gpu
 def test_swiglu_more_rows_than_one_grid_dimension_cuda():
     # 65535 is the grid's y limit: rows beyond it are reached by the kernel's row loop
