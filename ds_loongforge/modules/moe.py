@@ -115,6 +115,7 @@ class RoutingStats:
     tokens_per_expert_E: torch.Tensor
     num_tokens: int
     top_k: int
+    buffer_fill: float | None = None  # expert parallel: received rows / receive-buffer capacity
 
     def summary(self) -> dict[str, float]:
         counts = self.tokens_per_expert_E.float()
@@ -122,6 +123,7 @@ class RoutingStats:
         used = int((counts > 0).sum())
         mean = float(counts.mean())
         return {
+            "buffer_fill": self.buffer_fill,
             "experts_used": used,
             "idle_expert_fraction": 1.0 - used / num_experts,
             "pair_sparsity": 1.0 - self.top_k / num_experts,  # token-expert pairs not activated
@@ -130,6 +132,24 @@ class RoutingStats:
             "max_over_mean_load": float(counts.max()) / mean if mean > 0 else 0.0,
             "tokens_dropped": self.num_tokens * self.top_k - int(counts.sum()),
         }
+
+
+SPARSITY_PAYOFF, EXPERTS_PAYOFF = 0.6, 8
+_HEALTH_WARNED: set = set()
+
+
+def routing_health(num_experts: int, top_k: int) -> list[str]:
+    """Why the expert-masked path may not pay off for this shape (empty when it should): it skips idle
+    experts and gathers only routed rows, which wins with sparse routing over many experts."""
+    problems = []
+    sparsity = 1.0 - top_k / num_experts
+    if sparsity < SPARSITY_PAYOFF:
+        problems.append(f"pair sparsity 1 - k/E = {sparsity:.2f} is below {SPARSITY_PAYOFF}: most token-expert "
+                        "pairs are active, so a dense MLP over all experts may be as fast")
+    if num_experts < EXPERTS_PAYOFF:
+        problems.append(f"{num_experts} experts is fewer than {EXPERTS_PAYOFF}: few experts to skip, little for "
+                        "the masked path to save")
+    return problems
 
 
 class TopKRouter(nn.Module):
@@ -335,6 +355,11 @@ class ExpertMaskedMoE(nn.Module):
         self.register_buffer("_chunk_of_local_L", torch.tensor(chunk_of_local, dtype=torch.long, device=device),
                              persistent=False)
         self.split_sync_seconds = 0.0  # host time spent waiting for the split sizes (expert-parallel only)
+        self._buffer_fill = 0.0
+        for message in routing_health(num_experts, top_k):
+            if (num_experts, top_k, message) not in _HEALTH_WARNED:
+                _HEALTH_WARNED.add((num_experts, top_k, message))
+                logger.warning("[LoongForge] ExpertMaskedMoE(E=%d, k=%d): %s", num_experts, top_k, message)
         if expert_compute not in EXPERT_COMPUTE:
             raise ValueError(f"ExpertMaskedMoE: expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
         self.expert_compute = expert_compute
@@ -368,7 +393,8 @@ class ExpertMaskedMoE(nn.Module):
 
         out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=self.impl)
 
-        self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k)
+        self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k,
+                                         self._buffer_fill if self.ep_size > 1 else None)
         if self.training:
             self.aux_loss = self._aux_loss(logits_TE, probs_TE, tokens_per_expert_E, num_tokens)
         return out_TH.view(shape)
@@ -446,7 +472,9 @@ class ExpertMaskedMoE(nn.Module):
         # the gathers below are the only readers of the received rows (they save indices, not the rows),
         # so the buffer is free for the next layer call as soon as this one returns
         pairs = x_PH.shape[0]
-        buffer = self.receive_buffer.take(sum(map(sum, recv_splits)), pairs, ep, x_PH)
+        received = sum(map(sum, recv_splits))
+        buffer = self.receive_buffer.take(received, pairs, ep, x_PH)
+        self._buffer_fill = received / max(1, self.receive_buffer.capacity)
         dispatched, s_off, r_off = [], 0, 0
         for c in range(len(bounds)):
             n_send, n_recv = sum(send_splits[c]), sum(recv_splits[c])

@@ -130,6 +130,20 @@ def test_routing_stats_dropless():
     assert int(moe.last_routing.tokens_per_expert_E.sum()) == 100 * 2
     assert s["pair_sparsity"] == pytest.approx(1 - 2 / 8)
     assert 1 <= s["experts_used"] <= 8 and s["max_load"] >= s["mean_load"] == pytest.approx(25.0)
+    assert s["buffer_fill"] is None   # single process: no receive buffer
+
+
+def test_routing_health_warns_where_the_masked_path_does_not_pay_off(caplog):
+    from ds_loongforge.modules.moe import routing_health
+
+    assert routing_health(64, 8) == [] and routing_health(8, 2) == []
+    assert [m.split(" ")[0] for m in routing_health(4, 2)] == ["pair", "4"]   # sparsity 0.5, 4 experts
+    assert len(routing_health(16, 8)) == 1                                     # sparsity 0.5 only
+    with caplog.at_level("WARNING", logger="ds_loongforge"):
+        ExpertMaskedMoE(8, 8, 6, 3)
+        ExpertMaskedMoE(8, 8, 6, 3)   # the same shape warns once
+    warned = [r.getMessage() for r in caplog.records if "E=6, k=3" in r.getMessage()]
+    assert len(warned) == 2 and "sparsity 1 - k/E = 0.50" in warned[0] and "6 experts" in warned[1]
 
 
 def test_sampled_router_frequencies_follow_softmax_and_eval_is_topk():

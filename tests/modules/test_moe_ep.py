@@ -140,6 +140,7 @@ def _buffer_worker(rank, port, seed, out_dir):
                     outs.append((y.detach(), dx))
             buf = moe.receive_buffer
             results[name] = {"outs": outs, "warnings": [str(w.message) for w in caught],
+                             "fill": moe.last_routing.summary()["buffer_fill"],
                              "after_warmup": buf.reallocations_after_warmup, "capacity": buf.capacity,
                              "peak": buf.peak_rows}
         torch.save(results, f"{out_dir}/buffers{rank}.pt")
@@ -167,6 +168,7 @@ def test_receive_buffer_grows_exactly_and_stays_put_after_warmup(tmp_path):
         steady = res["steady"]
         assert steady["warnings"] == [] and steady["after_warmup"] == 0
         assert steady["capacity"] >= steady["peak"]
+        assert 0 < tiny["fill"] <= 1 and 0 < steady["fill"] <= 1   # received rows / buffer rows
 
 
 def test_receive_buffer_rejects_bad_settings():
