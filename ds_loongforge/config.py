@@ -49,6 +49,32 @@ class MoEConfig(_Section):
                 "overlap_chunks": self.overlap_chunks}
 
 
+class SamplerConfig(_Section):
+    expert_aware: bool = Field(True, description="Draw training batches with ExpertAwareSampler (expert load kept "
+                               "near uniform from batch to batch) instead of a random DistributedSampler.")
+    n_clusters: int = Field(16, ge=1, description="Buckets (MiniBatchKMeans clusters) of routing signatures; at most "
+                            "the number of samples.")
+    refresh_every: int = Field(1000, ge=0, description="Recompute signatures from the current router weights every "
+                               "this many batches, in a background thread on CPU copies of the weights (0 = never).")
+    signature: Literal["router", "router_topk", "probe"] = Field(
+        "router", description="router: mean over a sample's tokens of softmax(embedding @ router.T) per MoE layer. "
+        "router_topk: expected top-k counts from the same logits. probe: a small MLP fitted on routing observed "
+        "in forwards of a few batches.")
+    pad_to_multiple_of: int = Field(128, ge=1, description="The collator pads each batch's length up to a multiple "
+                                    "of this.")
+    seed: int = Field(0, description="Shuffling and clustering seed (the same on every rank).")
+    cache_dir: str | None = Field(None, description="Where signatures are cached (default "
+                                  "$LOONGFORGE_CACHE/signatures or ~/.cache/ds_loongforge/signatures).")
+
+
+class OptimizerConfig(_Section):
+    fused_adamw_clip: bool = Field(False, description="Build the optimizer as ds_loongforge.optim.FusedAdamWClip "
+                                   "(AdamW + global-norm clip + inf/nan skip in two device passes) from DeepSpeed's "
+                                   "\"optimizer\" params and \"gradient_clipping\"; see "
+                                   "ds_loongforge.optim.deepspeed_optimizer. \"optimizer\": {\"type\": "
+                                   "\"LoongForgeAdamW\"} selects it too.")
+
+
 class LoongForgeConfig(_Section):
     enabled: bool = Field(False, description="Master switch: nothing is changed unless this is true.")
     strict_ops: bool = Field(
@@ -58,6 +84,9 @@ class LoongForgeConfig(_Section):
     fused_kernels: FusedKernelsConfig = Field(default_factory=FusedKernelsConfig,
                                               description="Which fused kernels to use.")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="The expert-masked MoE layer.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The fused optimizer step.")
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="The expert-aware batch sampler "
+                                   "(ds_loongforge.data.build_dataloader).")
 
 
 class LoongForgeConfigError(ValueError):

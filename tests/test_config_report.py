@@ -75,3 +75,20 @@ def test_moe_section_defaults_validation_and_layer_kwargs():
         parse_config({"loongforge": {"moe": {"overlap_chunks": 0}}})
     layer = ExpertMaskedMoE(8, 8, 4, 2, **parse_config({"loongforge": {"moe": {"overlap_chunks": 3}}}).moe.layer_kwargs())
     assert layer.chunk_bounds == [(0, 1), (1, 3), (3, 4)]
+
+
+def test_sampler_section_defaults_and_validation():
+    sampler = parse_config({"loongforge": {"enabled": True}}).sampler
+    assert (sampler.expert_aware, sampler.n_clusters, sampler.refresh_every, sampler.signature,
+            sampler.pad_to_multiple_of) == (True, 16, 1000, "router", 128)
+    cfg = parse_config({"loongforge": {"sampler": {"expert_aware": True, "n_clusters": 4, "refresh_every": 0,
+                                                   "signature": "probe"}}}).sampler
+    assert cfg.n_clusters == 4 and cfg.refresh_every == 0 and cfg.signature == "probe"
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.sampler\.n_clusters = 0.*greater than or equal to 1"):
+        parse_config({"loongforge": {"sampler": {"n_clusters": 0}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.sampler\.refresh_every = -1"):
+        parse_config({"loongforge": {"sampler": {"refresh_every": -1}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.sampler\.signature = 'tokens'"):
+        parse_config({"loongforge": {"sampler": {"signature": "tokens"}}})
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.sampler\.n_cluster = 4.*Extra inputs"):
+        parse_config({"loongforge": {"sampler": {"n_cluster": 4}}})

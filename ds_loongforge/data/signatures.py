@@ -1,0 +1,377 @@
+"""Routing signatures: for each sample, the expert load its tokens are expected to put on the MoE layers.
+
+Legend (shape suffixes): V vocabulary, H hidden, E experts per MoE layer, L MoE layers, S = L*E signature
+entries (layer-major), N samples, T tokens.
+
+A signature is computed per vocabulary token first (a table_VS), then averaged over each sample's tokens,
+so the pre-scan is one batched gather over the token ids (no model forward):
+
+- ``"router"`` (default): softmax(rms_norm(embedding[v]) @ router_l.T) for every MoE layer l. The RMS
+  normalization stands for the pre-norm the layer applies (its learned scale is ignored); the residual
+  stream is approximated by the token embedding, which is exact in spirit for the first layer and a
+  coarse guess deeper in the network.
+- ``"router_topk"``: the same logits, but the token's top-k experts each get 1/k (expected top-k counts).
+- ``"probe"``: a small MLP, fitted on routing observed in real forwards (:func:`collect_observed_routing`),
+  maps the embedding of each vocabulary token to its per-layer routing distribution; it learns what the
+  deeper layers actually do with each token.
+
+A sample's signature is the mean of its tokens' rows (each entry of a layer block sums to 1); the sampler
+multiplies it by the sample's token count to get the sample's expected load.
+
+Results are cached on disk under a key made of the dataset fingerprint (HF ``datasets`` ``_fingerprint``,
+or a SHA-256 of the token ids for other datasets), a SHA-256 of the embedding and router weights (and of
+the probe), and the signature settings: a changed router is a cache miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger("ds_loongforge")
+
+SIGNATURE_KINDS = ("router", "router_topk", "probe")
+DEFAULT_CACHE_DIR = Path(os.environ.get("LOONGFORGE_CACHE", Path.home() / ".cache" / "ds_loongforge")) / "signatures"
+# tokens gathered per chunk of the pre-scan: bounds its memory to ~CHUNK_TOKENS * S * 4 bytes
+CHUNK_TOKENS = 1 << 22
+
+
+@dataclass
+class TokenIds:
+    """All token ids of a dataset, flat: sample i is ``ids_T[offsets_N1[i]:offsets_N1[i + 1]]``."""
+
+    ids_T: np.ndarray
+    offsets_N1: np.ndarray
+    fingerprint: str
+
+    def __len__(self) -> int:
+        return len(self.offsets_N1) - 1
+
+    @property
+    def lengths_N(self) -> np.ndarray:
+        return np.diff(self.offsets_N1)
+
+    def sample(self, i: int) -> np.ndarray:
+        return self.ids_T[self.offsets_N1[i]:self.offsets_N1[i + 1]]
+
+
+@dataclass
+class SignatureSet:
+    """Per-sample signatures_NS (float32, each layer block sums to 1 for a non-empty sample), the token
+    count of each sample, the number of experts per layer, and the cache key they were stored under."""
+
+    signatures_NS: np.ndarray
+    num_tokens_N: np.ndarray
+    num_experts: int
+    key: str = ""
+
+    def __post_init__(self):
+        if self.signatures_NS.ndim != 2 or len(self.signatures_NS) != len(self.num_tokens_N):
+            raise ValueError(f"signatures must be [N, S] with one token count per sample, got "
+                             f"{self.signatures_NS.shape} and {self.num_tokens_N.shape}")
+
+    def __len__(self) -> int:
+        return len(self.num_tokens_N)
+
+    @property
+    def loads_NS(self) -> np.ndarray:
+        """Expected tokens each sample sends to each (layer, expert)."""
+        return self.signatures_NS * self.num_tokens_N[:, None]
+
+
+def _sample_ids(item: Any, column: str) -> np.ndarray:
+    if isinstance(item, dict):
+        if column not in item:
+            raise ValueError(f"dataset samples are dicts without the token column {column!r} "
+                             f"(keys: {sorted(item)}); pass column=")
+        item = item[column]
+    if isinstance(item, torch.Tensor):
+        return item.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(item, dtype=np.int64).reshape(-1)
+
+
+def dataset_token_ids(dataset, column: str = "input_ids") -> TokenIds:
+    """Read every sample's token ids. HF ``datasets.Dataset``: straight from the Arrow column, keyed by the
+    dataset's ``_fingerprint``. Other map-style datasets (``__len__`` + ``__getitem__`` returning ids, a
+    tensor, or a dict holding ``column``): one pass, keyed by a SHA-256 of the ids."""
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("the dataset is empty: the expert-aware sampler needs at least one sample")
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    if fingerprint is not None and hasattr(dataset, "data") and getattr(dataset, "_indices", None) is None:
+        if column not in dataset.column_names:
+            raise ValueError(f"the dataset has no token column {column!r} (columns: {dataset.column_names})")
+        arrow = dataset.data.column(column).combine_chunks()
+        offsets = np.asarray(arrow.offsets, dtype=np.int64)
+        ids = np.asarray(arrow.values, dtype=np.int64)[offsets[0]:offsets[-1]]
+        return TokenIds(ids, offsets - offsets[0], f"hf:{fingerprint}")
+    pieces = [_sample_ids(dataset[i], column) for i in range(n)]
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.concatenate(pieces) if offsets[-1] else np.zeros(0, dtype=np.int64)
+    if fingerprint is None:
+        digest = hashlib.sha256(lengths.tobytes())
+        digest.update(ids.tobytes())
+        fingerprint = "ids:" + digest.hexdigest()
+    else:
+        fingerprint = f"hf:{fingerprint}"
+    return TokenIds(ids, offsets, fingerprint)
+
+
+def _is_router(module: nn.Module, hidden: int) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden
+            and isinstance(getattr(module, "top_k", None), int) and getattr(module, "num_experts", None) is not None)
+
+
+@dataclass
+class RoutingWeights:
+    """CPU float32 copies of the weights that routing signatures read (a snapshot: training may go on)."""
+
+    embedding_VH: torch.Tensor
+    routers_LEH: list[torch.Tensor]
+    top_k: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.routers_LEH[0].shape[0]
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for t in (self.embedding_VH, *self.routers_LEH):
+            digest.update(str(tuple(t.shape)).encode())
+            digest.update(t.contiguous().numpy().tobytes())
+        digest.update(f"k={self.top_k}".encode())
+        return digest.hexdigest()
+
+
+def routing_weights(model: nn.Module) -> RoutingWeights:
+    """Snapshot the input embedding and the router of every MoE layer (ExpertMaskedMoE's ``gate``, or any
+    router module with a ``weight`` [E, H], ``top_k`` and ``num_experts``, like transformers' Mixtral)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError(f"{type(model).__name__} has no input embedding (nn.Embedding); routing signatures "
+                         "need one")
+    hidden = embedding.weight.shape[1]
+    routers = [m for m in model.modules() if _is_router(m, hidden)]
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no MoE router (a module with weight [E, {hidden}], top_k "
+                         "and num_experts); routing signatures need an MoE model")
+    experts = {m.weight.shape[0] for m in routers}
+    if len(experts) != 1:
+        raise ValueError(f"MoE layers with different expert counts {sorted(experts)} are not supported")
+    with torch.no_grad():
+        return RoutingWeights(embedding.weight.detach().to("cpu", torch.float32, copy=True),
+                              [m.weight.detach().to("cpu", torch.float32, copy=True) for m in routers],
+                              int(routers[0].top_k))
+
+
+def _rms_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def router_table(weights: RoutingWeights, kind: str = "router") -> torch.Tensor:
+    """table_VS: each vocabulary token's expected routing, per MoE layer (see the module docstring)."""
+    if kind not in ("router", "router_topk"):
+        raise ValueError(f"router_table: kind must be 'router' or 'router_topk', got {kind!r}")
+    x_VH = _rms_normalize(weights.embedding_VH)
+    blocks = []
+    for w_EH in weights.routers_LEH:
+        probs_VE = torch.softmax(x_VH @ w_EH.t(), dim=-1)
+        if kind == "router_topk":
+            ids_VK = probs_VE.topk(weights.top_k, dim=-1).indices
+            probs_VE = torch.zeros_like(probs_VE).scatter_(1, ids_VK, 1.0 / weights.top_k)
+        blocks.append(probs_VE)
+    return torch.cat(blocks, dim=1)
+
+
+class RoutingProbe(nn.Module):
+    """MLP from a token's (RMS-normalized) embedding to its routing distribution in each of L MoE layers."""
+
+    def __init__(self, hidden_size: int, num_layers: int, num_experts: int, width: int = 128):
+        super().__init__()
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.net = nn.Sequential(nn.Linear(hidden_size, width), nn.GELU(), nn.Linear(width, num_layers * num_experts))
+
+    def forward(self, embedding_TH: torch.Tensor) -> torch.Tensor:
+        logits = self.net(_rms_normalize(embedding_TH)).view(-1, self.num_layers, self.num_experts)
+        return torch.softmax(logits, dim=-1).reshape(-1, self.num_layers * self.num_experts)
+
+    def fit(self, embedding_VH: torch.Tensor, token_ids_T: torch.Tensor, targets_TS: torch.Tensor, *,
+            steps: int = 300, lr: float = 3e-3, seed: int = 0) -> float:
+        """Fit on observed routing (soft cross-entropy per layer); returns the final loss. Tokens are
+        first averaged per vocabulary id (the probe is context-free), weighted by their frequency."""
+        if len(token_ids_T) == 0:
+            raise ValueError("RoutingProbe.fit: no observed tokens")
+        vocab, counts = torch.unique(token_ids_T, return_counts=True, return_inverse=False)
+        index = torch.searchsorted(vocab, token_ids_T)
+        mean_VS = torch.zeros(len(vocab), targets_TS.shape[1]).index_add_(0, index, targets_TS.float())
+        mean_VS /= counts[:, None]
+        weight_V = counts.float() / counts.sum()
+        x_VH = embedding_VH[vocab].float()
+        gen = torch.Generator().manual_seed(seed)
+        for p in self.parameters():  # deterministic init from the seed, whatever the global RNG
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if p.dim() == 1 else p.shape[-1] ** -0.5))
+        opt = torch.optim.Adam(self.parameters(), lr=lr)
+        loss = torch.zeros(())
+        for _ in range(steps):
+            pred = self(x_VH).clamp_min(1e-8).view(-1, self.num_layers, self.num_experts)
+            target = mean_VS.view(-1, self.num_layers, self.num_experts)
+            loss = -((target * pred.log()).sum(-1).mean(-1) * weight_V).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def table(self, embedding_VH: torch.Tensor) -> torch.Tensor:
+        return self(embedding_VH.float())
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for t in self.state_dict().values():
+            digest.update(t.detach().cpu().float().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+
+@torch.no_grad()
+def collect_observed_routing(model: nn.Module, batches: Iterable[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``model(input_ids=..., attention_mask=...)`` (no grad) on ``batches`` (collator outputs) and record,
+    for every real token, its top-k experts in every MoE layer as 1/k entries: (token_ids_T, targets_TS)."""
+    hidden = routing_weights(model).embedding_VH.shape[1]
+    routers = [m for m in model.modules() if _is_router(m, hidden)]
+    seen: list[list[torch.Tensor]] = [[] for _ in routers]
+    hooks = [r.register_forward_hook(lambda mod, inp, out, i=i: seen[i].append(out[-1].detach().cpu()))
+             for i, r in enumerate(routers)]
+    device = next(model.parameters()).device
+    tokens, masks = [], []
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            ids = batch["input_ids"]
+            mask = batch.get("attention_mask", torch.ones_like(ids))
+            model(input_ids=ids.to(device), attention_mask=mask.to(device))
+            tokens.append(ids.reshape(-1))
+            masks.append(mask.reshape(-1).bool())
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    keep_T = torch.cat(masks)
+    blocks = []
+    for layer in seen:
+        ids_TK = torch.cat(layer)
+        k = ids_TK.shape[1]
+        onehot = torch.zeros(ids_TK.shape[0], routers[0].weight.shape[0]).scatter_(1, ids_TK, 1.0 / k)
+        blocks.append(onehot[keep_T])
+    return torch.cat(tokens)[keep_T], torch.cat(blocks, dim=1)
+
+
+def signatures_from_table(token_ids: TokenIds, table_VS: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of table rows over each sample's tokens, in chunks of ~CHUNK_TOKENS tokens (no grad, on the
+    table's device): (signatures_NS float32, num_tokens_N)."""
+    n = len(token_ids)
+    lengths = token_ids.lengths_N
+    vocab = table_VS.shape[0]
+    if len(token_ids.ids_T) and (token_ids.ids_T.min() < 0 or token_ids.ids_T.max() >= vocab):
+        raise ValueError(f"token ids must be in [0, {vocab}) (the embedding's rows), got "
+                         f"[{token_ids.ids_T.min()}, {token_ids.ids_T.max()}]")
+    out = np.zeros((n, table_VS.shape[1]), dtype=np.float32)
+    start = 0
+    with torch.no_grad():
+        while start < n:
+            end = int(np.searchsorted(token_ids.offsets_N1, token_ids.offsets_N1[start] + CHUNK_TOKENS, "right"))
+            end = min(max(end - 1, start + 1), n)
+            lo, hi = token_ids.offsets_N1[start], token_ids.offsets_N1[end]
+            ids = torch.from_numpy(token_ids.ids_T[lo:hi]).to(table_VS.device)
+            segment = torch.repeat_interleave(torch.arange(end - start, device=table_VS.device),
+                                              torch.from_numpy(lengths[start:end]).to(table_VS.device))
+            sums = torch.zeros(end - start, table_VS.shape[1], device=table_VS.device, dtype=torch.float64)
+            sums.index_add_(0, segment, table_VS[ids].double())
+            out[start:end] = (sums / torch.from_numpy(lengths[start:end]).clamp_min(1).to(sums)[:, None]).cpu().numpy()
+            start = end
+    return out, lengths.astype(np.int64)
+
+
+class SignatureCache:
+    """``<dir>/<key>.npz`` files; writes are atomic (temp file + rename), so readers never see half a file."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.directory = Path(directory) if directory is not None else DEFAULT_CACHE_DIR
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.npz"
+
+    def get(self, key: str) -> SignatureSet | None:
+        path = self.path(key)
+        if not path.exists():
+            return None
+        with np.load(path) as f:
+            return SignatureSet(f["signatures_NS"], f["num_tokens_N"], int(f["num_experts"]), key)
+
+    def put(self, sigs: SignatureSet) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".npz.tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, signatures_NS=sigs.signatures_NS, num_tokens_N=sigs.num_tokens_N,
+                     num_experts=np.int64(sigs.num_experts))
+        os.replace(tmp, self.path(sigs.key))
+
+
+class RouterSignatures:
+    """Signature source for :class:`ExpertAwareSampler`: ``snapshot()`` copies the model's routing weights to
+    the CPU (call it where the model may be read, e.g. between steps); ``compute(snapshot)`` touches only
+    that copy, so it can run in a background thread while training goes on. ``kind`` and ``probe`` as in
+    the module docstring; ``device`` runs the pre-scan gather there (default CPU)."""
+
+    def __init__(self, model: nn.Module, token_ids: TokenIds, *, kind: str = "router",
+                 probe: RoutingProbe | None = None, cache: SignatureCache | None = None, device: str = "cpu"):
+        if kind not in SIGNATURE_KINDS:
+            raise ValueError(f"signature must be one of {SIGNATURE_KINDS}, got {kind!r}")
+        if kind == "probe" and probe is None:
+            raise ValueError("signature='probe' needs a fitted RoutingProbe (see collect_observed_routing)")
+        self.model, self.token_ids, self.kind, self.probe = model, token_ids, kind, probe
+        self.cache, self.device = cache, device
+
+    def snapshot(self) -> RoutingWeights:
+        return routing_weights(self.model)
+
+    def compute(self, weights: RoutingWeights) -> SignatureSet:
+        probe_fp = self.probe.fingerprint() if self.kind == "probe" else ""
+        key = hashlib.sha256("|".join([self.token_ids.fingerprint, weights.fingerprint(), self.kind,
+                                       probe_fp, "v1"]).encode()).hexdigest()[:32]
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                logger.info("[LoongForge] routing signatures: cache hit %s", self.cache.path(key))
+                return hit
+        if self.kind == "probe":
+            table_VS = self.probe.table(weights.embedding_VH)
+        else:
+            table_VS = router_table(weights, self.kind)
+        signatures, num_tokens = signatures_from_table(self.token_ids, table_VS.to(self.device))
+        sigs = SignatureSet(signatures, num_tokens, weights.num_experts, key)
+        if self.cache is not None:
+            self.cache.put(sigs)
+        return sigs
+
+    def __call__(self) -> SignatureSet:
+        return self.compute(self.snapshot())
+
+
+__all__ = ["SIGNATURE_KINDS", "TokenIds", "SignatureSet", "RoutingWeights", "RoutingProbe", "RouterSignatures",
+           "SignatureCache", "dataset_token_ids", "routing_weights", "router_table", "collect_observed_routing",
+           "signatures_from_table"]
