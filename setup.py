@@ -19,6 +19,7 @@ PACKAGES = [
     "ds_loongforge",
     "ds_loongforge.ops",
     "ds_loongforge.modules",
+    "ds_loongforge.optim",
     "ds_loongforge.data",
     "ds_loongforge._ops",
     "ds_loongforge.op_builder",

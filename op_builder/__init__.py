@@ -1,5 +1,6 @@
 """DeepSpeed OpBuilder subclasses of the ds_loongforge ops (installed as ``ds_loongforge.op_builder``)."""
 
+from .adamw import FusedAdamWClipBuilder, FusedAdamWClipCPUBuilder
 from .builder import OpBuildError, all_builders, build_ops, csrc_root
 from .moe_dispatch import MoEDispatchBuilder, MoEDispatchCPUBuilder
 from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
@@ -8,4 +9,5 @@ from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
 __all__ = [
     "OpBuildError", "all_builders", "build_ops", "csrc_root", "FusedRMSNormBuilder", "FusedRMSNormCPUBuilder",
     "FusedSwiGLUBuilder", "FusedSwiGLUCPUBuilder", "MoEDispatchBuilder", "MoEDispatchCPUBuilder",
+    "FusedAdamWClipBuilder", "FusedAdamWClipCPUBuilder",
 ]

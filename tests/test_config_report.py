@@ -92,3 +92,10 @@ def test_sampler_section_defaults_and_validation():
         parse_config({"loongforge": {"sampler": {"signature": "tokens"}}})
     with pytest.raises(LoongForgeConfigError, match=r"loongforge\.sampler\.n_cluster = 4.*Extra inputs"):
         parse_config({"loongforge": {"sampler": {"n_cluster": 4}}})
+
+
+def test_optimizer_section_defaults_and_validation():
+    assert parse_config({"loongforge": {"enabled": True}}).optimizer.fused_adamw_clip is False
+    assert parse_config({"loongforge": {"optimizer": {"fused_adamw_clip": True}}}).optimizer.fused_adamw_clip
+    with pytest.raises(LoongForgeConfigError, match=r"loongforge\.optimizer\.fused_adam = True.*Extra inputs"):
+        parse_config({"loongforge": {"optimizer": {"fused_adam": True}}})

@@ -1,0 +1,216 @@
+// Fused AdamW + global-norm clip on CUDA: multi-tensor launches over a bucket's device table
+// (adamw_common.h), 16-byte vector access where every tensor of an entry is 16-byte aligned.
+//
+// Pass 1 (sumsq_kernel): block b reads chunks b, b + grid, ... of every gradient once and writes one
+// partial sum of squares and one non-finite flag; reduce_kernel adds the partials of all buckets in a fixed
+// order (no float atomics), so the norm is bitwise reproducible. Pass 2 (adamw_kernel): every block reads
+// stats from device memory, returns at once when a gradient was non-finite, else applies the clipped AdamW
+// update to one chunk with the step count + 1 of its tensor; bump_steps_kernel then advances the counts
+// (after every block has read them). The host never reads a device value.
+#include <type_traits>
+
+#include "adamw_common.h"
+#include "lf_cuda_utils.cuh"
+
+namespace loongforge {
+namespace adamw {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kReduceThreads = 1024;
+
+struct Chunk {
+    const int64_t* entry;
+    int64_t begin, n;
+};
+
+__device__ __forceinline__ Chunk chunk_at(const int64_t* __restrict__ table, const TableHeader& h, int64_t c) {
+    const int64_t* entries = table + kHeader;
+    const int64_t word = entries[h.n_tensors * kEntry + c];
+    const int64_t* e = entries + (word >> 32) * kEntry;
+    const int64_t begin = (word & 0xffffffff) * h.chunk_size;
+    const int64_t left = e[kNumel] - begin;
+    return {e, begin, left < h.chunk_size ? left : h.chunk_size};
+}
+
+template <typename T>
+__device__ __forceinline__ T* ptr(const int64_t* e, Field f) {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(e[f]));
+}
+
+template <typename G>
+__global__ void __launch_bounds__(kThreads) sumsq_kernel(const int64_t* __restrict__ table, TableHeader h,
+                                                         float* __restrict__ partials, float* __restrict__ flags) {
+    constexpr int V = 16 / sizeof(G);
+    __shared__ float smem[32];
+    float acc = 0.f;
+    int bad = 0;
+    for (int64_t c = blockIdx.x; c < h.n_chunks; c += gridDim.x) {
+        const Chunk ch = chunk_at(table, h, c);
+        const G* g = ptr<const G>(ch.entry, kGrad) + ch.begin;
+        const int64_t n_vec = ch.entry[kVecOk] ? ch.n / V : 0;
+        for (int64_t k = threadIdx.x; k < n_vec; k += blockDim.x) {
+            const Vec<G, V> x = load_vec<G, V>(g + k * V);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const float f = static_cast<float>(x.val[j]);
+                acc += f * f;
+                bad |= !::isfinite(f);
+            }
+        }
+        for (int64_t i = n_vec * V + threadIdx.x; i < ch.n; i += blockDim.x) {
+            const float f = static_cast<float>(g[i]);
+            acc += f * f;
+            bad |= !::isfinite(f);
+        }
+    }
+    acc = row_allreduce_sum(acc, smem, blockDim.x);
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = acc;
+        flags[blockIdx.x] = bad ? 1.f : 0.f;
+    }
+}
+
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const float* __restrict__ partials,
+                                                                const float* __restrict__ flags, int64_t n,
+                                                                float* __restrict__ stats) {
+    __shared__ float smem[32];
+    float acc = 0.f, bad = 0.f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        acc += partials[i];
+        bad += flags[i];
+    }
+    acc = row_allreduce_sum(acc, smem, blockDim.x);
+    bad = row_allreduce_sum(bad, smem, blockDim.x);
+    if (threadIdx.x == 0) {
+        stats[0] = acc;
+        stats[1] = bad;
+    }
+}
+
+template <typename P, typename G, bool kHasMaster>
+__device__ __forceinline__ void update_one(P* param, float* master, const G* grad, float* m, float* v, int64_t i,
+                                           float scale, const StepScalars& sc) {
+    float p = kHasMaster ? master[i] : static_cast<float>(param[i]);
+    adamw_element(p, m[i], v[i], static_cast<float>(grad[i]) * scale, sc);
+    if (kHasMaster) master[i] = p;
+    param[i] = static_cast<P>(p);
+}
+
+template <typename P, typename G, bool kHasMaster>
+__global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restrict__ table, TableHeader h,
+                                                         const float* __restrict__ stats, Hyper hp) {
+    constexpr int V = 4;  // 16 bytes of every fp32 stream; 8 of a bf16/fp16 one
+    if (stats[1] != 0.f) return;
+    const float scale = grad_scale(hp, stats[0]);
+    for (int64_t c = blockIdx.x; c < h.n_chunks; c += gridDim.x) {
+        const Chunk ch = chunk_at(table, h, c);
+        const int64_t* e = ch.entry;
+        const StepScalars sc = step_scalars(hp, *ptr<const float>(e, kStep) + 1.f);
+        P* param = ptr<P>(e, kParam) + ch.begin;
+        float* master = kHasMaster ? ptr<float>(e, kMaster) + ch.begin : nullptr;
+        const G* grad = ptr<const G>(e, kGrad) + ch.begin;
+        float* m = ptr<float>(e, kExpAvg) + ch.begin;
+        float* v = ptr<float>(e, kExpAvgSq) + ch.begin;
+        const int64_t n_vec = e[kVecOk] ? ch.n / V : 0;
+        for (int64_t k = threadIdx.x; k < n_vec; k += blockDim.x) {
+            const int64_t i = k * V;
+            const Vec<G, V> g = load_vec<G, V>(grad + i);
+            Vec<float, V> mv = load_vec<float, V>(m + i);
+            Vec<float, V> vv = load_vec<float, V>(v + i);
+            Vec<float, V> pf;
+            Vec<P, V> pv;
+            if constexpr (kHasMaster) {
+                pf = load_vec<float, V>(master + i);
+            } else {
+                pv = load_vec<P, V>(param + i);
+#pragma unroll
+                for (int j = 0; j < V; ++j) pf.val[j] = static_cast<float>(pv.val[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                adamw_element(pf.val[j], mv.val[j], vv.val[j], static_cast<float>(g.val[j]) * scale, sc);
+                pv.val[j] = static_cast<P>(pf.val[j]);
+            }
+            if constexpr (kHasMaster) store_vec<float, V>(master + i, pf);
+            store_vec<P, V>(param + i, pv);
+            store_vec<float, V>(m + i, mv);
+            store_vec<float, V>(v + i, vv);
+        }
+        for (int64_t i = n_vec * V + threadIdx.x; i < ch.n; i += blockDim.x) {
+            update_one<P, G, kHasMaster>(param, master, grad, m, v, i, scale, sc);
+        }
+    }
+}
+
+__global__ void bump_steps_kernel(const int64_t* __restrict__ table, int64_t n_tensors,
+                                  const float* __restrict__ stats) {
+    const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    if (t >= n_tensors || stats[1] != 0.f) return;
+    *ptr<float>(table + kHeader + t * kEntry, kStep) += 1.f;
+}
+
+template <typename F>
+void dispatch_code(int64_t code, const char* what, F&& f) {
+    switch (code) {
+        case kF32: return f(float{});
+        case kBF16: return f(at::BFloat16{});
+        case kF16: return f(at::Half{});
+        default: LF_CHECK(false, "fused_adamw_clip: bad ", what, " dtype code ", code, " in the table");
+    }
+}
+
+}  // namespace
+
+void sumsq_partials_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& partials,
+                         const at::Tensor& flags) {
+    const c10::cuda::CUDAGuard guard(dev_table.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    dispatch_code(h.grad_dtype, "grad", [&](auto g_tag) {
+        using G = decltype(g_tag);
+        sumsq_kernel<G><<<partials.numel(), kThreads, 0, stream>>>(dev_table.data_ptr<int64_t>(), h,
+                                                                  partials.data_ptr<float>(), flags.data_ptr<float>());
+        LF_CUDA_CHECK_LAUNCH();
+    });
+}
+
+void reduce_partials_cuda(const at::Tensor& partials, const at::Tensor& flags, const at::Tensor& stats) {
+    const c10::cuda::CUDAGuard guard(stats.device());
+    reduce_kernel<<<1, kReduceThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        partials.data_ptr<float>(), flags.data_ptr<float>(), partials.numel(), stats.data_ptr<float>());
+    LF_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats, const Hyper& hp) {
+    const c10::cuda::CUDAGuard guard(dev_table.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t* table = dev_table.data_ptr<int64_t>();
+    const float* s = stats.data_ptr<float>();
+    const unsigned grid = static_cast<unsigned>(h.n_chunks < (int64_t{1} << 30) ? h.n_chunks : (int64_t{1} << 30));
+    dispatch_code(h.param_dtype, "param", [&](auto p_tag) {
+        using P = decltype(p_tag);
+        // make_table admits grads of the param dtype or float32, and master weights only for low-precision
+        // params: 9 instantiations instead of 18.
+        auto launch = [&](auto g_tag) {
+            using G = decltype(g_tag);
+            if constexpr (std::is_same_v<P, float>) {
+                adamw_kernel<float, float, false><<<grid, kThreads, 0, stream>>>(table, h, s, hp);
+            } else if (h.has_master) {
+                adamw_kernel<P, G, true><<<grid, kThreads, 0, stream>>>(table, h, s, hp);
+            } else {
+                adamw_kernel<P, G, false><<<grid, kThreads, 0, stream>>>(table, h, s, hp);
+            }
+            LF_CUDA_CHECK_LAUNCH();
+        };
+        if (h.grad_dtype == kF32) launch(float{});
+        else launch(P{});
+    });
+    const int threads = 256;
+    bump_steps_kernel<<<static_cast<unsigned>((h.n_tensors + threads - 1) / threads), threads, 0, stream>>>(
+        table, h.n_tensors, s);
+    LF_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace adamw
+}  // namespace loongforge

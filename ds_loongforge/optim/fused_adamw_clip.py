@@ -1,0 +1,174 @@
+"""``FusedAdamWClip``: torch.optim.AdamW + clip_grad_norm_ + an inf/nan step skip, in two device passes.
+
+    opt = FusedAdamWClip(model.parameters(), lr=1e-4, weight_decay=0.01, max_norm=1.0)
+    loss.backward(); opt.step(); opt.zero_grad()
+    opt.last_grad_norm        # device tensor: the global norm of this step's gradients (no sync)
+    opt.skipped_steps         # int: steps skipped for a non-finite gradient (syncs when read)
+
+One step = pass 1 over every gradient (squared global norm + non-finite flag), an optional ``stats_hook`` on
+the device stats (the all-reduce under data/expert parallelism), pass 2 per parameter group (clip
+coefficient and skip decided on the device, AdamW per tensor). No ``.item()`` and no host branch on a device
+value. The update equals ``clip_grad_norm_(params, max_norm)`` followed by ``torch.optim.AdamW.step()``,
+except that a step whose gradients hold an inf or nan changes nothing (params, moments, step counts).
+
+bf16/fp16 params get fp32 master weights (``state["master"]``) unless ``master_weights=False``; moments are
+fp32. Params whose grad is None are skipped, like torch. ``lr`` and the other hyper-parameters must be Python
+numbers (a tensor lr would need a host read). ``state_dict()`` has torch AdamW's layout (plus ``master``);
+``load_state_dict`` restores every state tensor bit for bit in its saved dtype.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from copy import deepcopy
+from typing import Callable
+
+import torch
+
+from ds_loongforge.ops._dispatch import check_impl
+from ds_loongforge.ops.adamw import (DEFAULT_CLIP_EPS, AdamWBucket, _check_hyper, adamw_clip_apply, grad_norm,
+                                     grad_stats, new_stats)
+
+StatsHook = Callable[[torch.Tensor], None]
+
+
+class FusedAdamWClip(torch.optim.Optimizer):
+    """AdamW with global-norm clipping and a non-finite step skip (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups (each group may set lr, betas, eps, weight_decay, max_norm).
+        max_norm: clip the global gradient norm to this (None: no clipping; the norm is still computed).
+        clip_eps: the clip coefficient is max_norm / (norm + clip_eps), as in clip_grad_norm_.
+        master_weights: keep fp32 master copies of bf16/fp16 params.
+        impl: "auto" | "cuda" | "cpu" | "reference", as for the other ops.
+        stats_hook: called with the float32 [2] device tensor [sum of squared grads, non-finite count] between
+            the passes; it may reduce it in place (e.g. ``dist.all_reduce(stats)`` when each rank holds a
+            disjoint shard of the parameters).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, max_norm: float | None = None, *, clip_eps: float = DEFAULT_CLIP_EPS,
+                 master_weights: bool = True, impl: str = "auto", stats_hook: StatsHook | None = None):
+        _check_hyper(lr, betas, eps, weight_decay, max_norm, where="FusedAdamWClip")
+        if not clip_eps >= 0.0:
+            raise ValueError(f"FusedAdamWClip: clip_eps must be >= 0, got {clip_eps!r}")
+        check_impl(impl)
+        self.impl = impl
+        self.master_weights = master_weights
+        self.clip_eps = clip_eps
+        self.stats_hook = stats_hook
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_stats: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self._buckets: dict[tuple, AdamWBucket] = {}
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_norm=max_norm)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        g["betas"] = tuple(g["betas"])
+        _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["max_norm"],
+                     where=f"FusedAdamWClip param group {len(self.param_groups) - 1}")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient was non-finite (reads a device counter: syncs)."""
+        return 0 if self._skipped is None else int(self._skipped.item())
+
+    @property
+    def _global_grad_norm(self) -> torch.Tensor | None:
+        """What DeepSpeed's engine reports as get_global_grad_norm() when this is its optimizer (ZeRO-0)."""
+        return self.last_grad_norm
+
+    def _state_for(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            if self.master_weights and p.dtype in (torch.bfloat16, torch.float16):
+                state["master"] = p.detach().float().contiguous()
+        return state
+
+    def _group_buckets(self, group_index: int, group: dict) -> list[AdamWBucket]:
+        """This step's buckets of one group: params with a grad, split by (device, dtypes, master)."""
+        members: dict[tuple, list] = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("FusedAdamWClip does not support sparse gradients")
+            if not p.is_contiguous():
+                raise RuntimeError(f"FusedAdamWClip needs contiguous params, got strides {p.stride()}")
+            state = self._state_for(p)
+            layout = (p.device, p.dtype, p.grad.dtype, "master" in state)
+            members[layout].append((p, state))
+        buckets = []
+        for layout, items in members.items():
+            bucket = self._buckets.get((group_index,) + layout)
+            if bucket is None:
+                bucket = AdamWBucket([], [], [], [], [])
+                self._buckets[(group_index,) + layout] = bucket
+            bucket.params = [p.detach() for p, _ in items]
+            bucket.grads = [p.grad.contiguous() for p, _ in items]
+            bucket.exp_avgs = [s["exp_avg"] for _, s in items]
+            bucket.exp_avg_sqs = [s["exp_avg_sq"] for _, s in items]
+            bucket.steps = [s["step"] for _, s in items]
+            bucket.masters = [s["master"] for _, s in items] if layout[3] else None
+            buckets.append(bucket)
+        return buckets
+
+    @torch.no_grad()
+    def step(self, closure=None, *, inv_scale: float = 1.0):
+        """One step. ``inv_scale``: 1 / loss scale of fp16 training (grads are unscaled on the fly)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        per_group = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
+        all_buckets = [b for _, buckets in per_group for b in buckets]
+        if not all_buckets:
+            return loss
+        stats = grad_stats(all_buckets, new_stats(all_buckets[0].device), impl=self.impl)
+        if self.stats_hook is not None:
+            self.stats_hook(stats)
+        for group, buckets in per_group:
+            for bucket in buckets:
+                adamw_clip_apply(bucket, stats, group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                 group["max_norm"], self.clip_eps, inv_scale, impl=self.impl)
+        self.last_stats = stats
+        self.last_grad_norm = grad_norm(stats, inv_scale)
+        skipped = (stats[1] != 0).to(torch.int64)
+        self._skipped = skipped if self._skipped is None else self._skipped + skipped
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Like torch's, except that every state tensor keeps its saved dtype (torch would cast the fp32
+        moments and masters of bf16 params to bf16) and lands on its param's device."""
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                             f"{len(groups)}")
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"parameter group {i}: the loaded state dict has {len(sg['params'])} params, "
+                                 f"the optimizer {len(g['params'])}")
+        id_map = {old: p for g, sg in zip(groups, saved_groups) for old, p in zip(sg["params"], g["params"])}
+        state: defaultdict = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                continue
+            p = id_map[key]
+            state[p] = {name: (v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else deepcopy(v))
+                        for name, v in value.items()}
+            if "step" in state[p]:
+                state[p]["step"] = state[p]["step"].to(torch.float32).reshape(())
+        new_groups = []
+        for g, sg in zip(groups, saved_groups):
+            sg["params"] = g["params"]
+            sg["betas"] = tuple(sg["betas"])
+            new_groups.append(sg)
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        self._buckets.clear()

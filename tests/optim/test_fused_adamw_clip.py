@@ -1,0 +1,267 @@
+"""FusedAdamWClip and the fused AdamW + clip op: 20 steps against torch.optim.AdamW + clip_grad_norm_ (fp32,
+bf16 params with fp32 masters, several groups, grads None), the clip inactive below max_norm, the inf/nan
+skip leaving every state tensor bit-identical, the norm, a bitwise state_dict round trip, bad arguments.
+The CPU kernel and the reference always; the CUDA kernel under the gpu marker."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from ds_loongforge.ops.adamw import (AdamWBucket, adamw_clip_apply, adamw_clip_apply_reference, grad_stats,
+                                     grad_stats_reference, new_stats)
+from ds_loongforge.optim import FusedAdamWClip
+
+IMPLS = [pytest.param("cpu", id="cpu"), pytest.param("reference", id="reference"),
+         pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+SHAPES = [
+    (300, 230),   # 69000 elements: two chunks of 64 Ki, the second partial
+    (7,),         # shorter than one 16-byte vector
+    (33, 65),     # odd size: vector body + scalar tail
+    (1,),         # a scalar-like param
+]
+STEPS = 20
+
+
+def _device(impl):
+    return "cuda" if impl == "cuda" else "cpu"
+
+
+def _params(shapes, device, dtype=torch.float32):
+    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in shapes]
+
+
+def _grads(shapes, device, scale):
+    return [scale * torch.randn(s, device=device) for s in shapes]
+
+
+def _clone(params, dtype=None):
+    return [torch.nn.Parameter(p.detach().clone().to(dtype or p.dtype)) for p in params]
+
+
+def _assert_rel(actual, expected, rtol=1e-6, scale=None):
+    """Within rtol of the expected values, or of ``scale`` (default: their largest magnitude) where they
+    cancelled to near zero."""
+    scale = expected.abs().max().item() if scale is None else scale
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_twenty_steps_equal_torch_adamw_with_clip(impl):
+    device = _device(impl)
+    ours = _params(SHAPES, device)
+    ref = _clone(ours)
+    opt = FusedAdamWClip(ours, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_norm=5.0, impl=impl)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(STEPS):
+        # norms from ~0.3x to ~3x max_norm: some steps clip, some do not
+        grads = _grads(SHAPES, device, scale=0.002 * 2 ** (step % 7))
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        torch_norm = torch.nn.utils.clip_grad_norm_(ref, 5.0, foreach=False)
+        ref_opt.step()
+        _assert_rel(opt.last_grad_norm, torch_norm)
+    for p, q in zip(ours, ref):
+        _assert_rel(p.detach(), q.detach())
+        # a first moment of random-sign grads can cancel to near zero: compare it at the grads' scale
+        _assert_rel(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"],
+                    scale=ref_opt.state[q]["exp_avg_sq"].sqrt().max().item())
+        _assert_rel(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rtol=1e-5)
+        assert opt.state[p]["step"].item() == ref_opt.state[q]["step"].item() == STEPS
+    assert opt.skipped_steps == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_params_with_fp32_masters(impl):
+    device = _device(impl)
+    ours = _params(SHAPES, device, torch.bfloat16)
+    ref = _clone(ours, torch.float32)
+    opt = FusedAdamWClip(ours, lr=1e-2, weight_decay=0.05, max_norm=1.0, impl=impl)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.05)
+    for step in range(STEPS):
+        grads = [g.to(torch.bfloat16) for g in _grads(SHAPES, device, 0.003 * (1 + step % 3))]
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.float()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(ref, 1.0, foreach=False)
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
+        _assert_rel(master, q.detach(), rtol=2e-6)
+        # the bf16 param is its master rounded once; within one bf16 ulp of the fp32 trajectory
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+        torch.testing.assert_close(p.detach().float(), q.detach(), rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_clip_inactive_below_max_norm(impl):
+    device = _device(impl)
+    ours = _params(SHAPES, device)
+    ref = _clone(ours)
+    opt = FusedAdamWClip(ours, lr=1e-3, max_norm=1e6, impl=impl)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3)
+    for _ in range(3):
+        for p, q, g in zip(ours, ref, _grads(SHAPES, device, 1.0)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()  # no clip at all
+    for p, q in zip(ours, ref):
+        _assert_rel(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nonfinite_grad_skips_the_step_bit_identically(impl, bad, dtype):
+    device = _device(impl)
+    ours = _params(SHAPES, device, dtype)
+    opt = FusedAdamWClip(ours, lr=1e-2, weight_decay=0.1, max_norm=1.0, impl=impl)
+    for p, g in zip(ours, _grads(SHAPES, device, 0.01)):
+        p.grad = g.to(dtype)
+    opt.step()
+    before = copy.deepcopy(([p.detach() for p in ours], opt.state_dict()["state"]))
+    grads = [g.to(dtype) for g in _grads(SHAPES, device, 0.01)]
+    grads[0].view(-1)[68999] = bad  # in the last, partial chunk of the two-chunk tensor
+    for p, g in zip(ours, grads):
+        p.grad = g
+    opt.step()
+    after = ([p.detach() for p in ours], opt.state_dict()["state"])
+    for x, y in zip(before[0], after[0]):
+        assert torch.equal(x, y)
+    for i, state in before[1].items():
+        for key, value in state.items():
+            assert torch.equal(value, after[1][i][key]), key
+    assert opt.skipped_steps == 1
+    grads[0].view(-1)[68999] = 0.0
+    opt.step()
+    assert opt.skipped_steps == 1 and opt.state[ours[0]]["step"].item() == 2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_param_groups_with_different_hyper_parameters_and_grads_none(impl):
+    device = _device(impl)
+    ours = _params(SHAPES, device)
+    ref = _clone(ours)
+    groups = [dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
+              dict(lr=1e-3, betas=(0.5, 0.9), eps=1e-10, weight_decay=0.3),   # beta1 0.5: torch's other lerp form
+              dict(lr=5e-3)]
+    split = [[0], [1, 2], [3]]
+    opt = FusedAdamWClip([dict(params=[ours[i] for i in idx], **h) for idx, h in zip(split, groups)],
+                         lr=1e-2, weight_decay=0.05, max_norm=0.5, impl=impl)
+    ref_opt = torch.optim.AdamW([dict(params=[ref[i] for i in idx], **h) for idx, h in zip(split, groups)],
+                                lr=1e-2, weight_decay=0.05)
+    for step in range(STEPS):
+        grads = _grads(SHAPES, device, 0.01)
+        for i, (p, q, g) in enumerate(zip(ours, ref, grads)):
+            none = (i + step) % 3 == 0  # every param misses some steps; its step count lags like torch's
+            p.grad = None if none else g.clone()
+            q.grad = None if none else g.clone()
+        opt.step()
+        with_grad = [q for q in ref if q.grad is not None]
+        torch_norm = torch.nn.utils.clip_grad_norm_(with_grad, 0.5, foreach=False)
+        ref_opt.step()
+        _assert_rel(opt.last_grad_norm, torch_norm)
+    for p, q in zip(ours, ref):
+        _assert_rel(p.detach(), q.detach())
+        assert opt.state[p]["step"].item() == ref_opt.state[q]["step"].item()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_dict_round_trip_gives_a_bitwise_identical_next_step(impl):
+    device = _device(impl)
+    shapes = SHAPES[:3]
+    params = _params(shapes, device, torch.bfloat16) + _params(shapes, device)
+    opt = FusedAdamWClip([dict(params=params[:3]), dict(params=params[3:], lr=2e-3)], lr=1e-2, max_norm=1.0,
+                         impl=impl)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = FusedAdamWClip([dict(params=resumed_params[:3]), dict(params=resumed_params[3:])], lr=0.5,
+                             impl=impl)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.param_groups[1]["lr"] == 2e-3 and resumed.param_groups[0]["max_norm"] == 1.0
+    for p, q in zip(params, resumed_params):
+        q.grad = torch.randn_like(p)
+        p.grad = q.grad.clone()
+    opt.step()
+    resumed.step()
+    for p, q in zip(params, resumed_params):
+        assert torch.equal(p, q)
+        for key in opt.state[p]:
+            assert opt.state[p][key].dtype == resumed.state[q][key].dtype
+            assert torch.equal(opt.state[p][key], resumed.state[q][key]), key
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_params_with_fp32_grads_op_level(impl):
+    """The DeepSpeed-style layout: bf16 params, fp32 grads, fp32 masters, driven through the op."""
+    device = _device(impl)
+    params = [torch.randn(s, device=device).to(torch.bfloat16) for s in SHAPES]
+
+    def bucket():
+        return AdamWBucket([p.clone() for p in params], [g.clone() for g in grads],
+                           [torch.zeros(s, device=device) for s in SHAPES],
+                           [torch.zeros(s, device=device) for s in SHAPES],
+                           [torch.zeros((), device=device) for _ in SHAPES], [p.float() for p in params])
+
+    grads = _grads(SHAPES, device, 0.05)
+    ours, ref = bucket(), bucket()
+    for _ in range(3):
+        stats = grad_stats([ours], new_stats(device), impl=impl)
+        ref_stats = grad_stats_reference([ref], new_stats(device))
+        _assert_rel(stats, ref_stats, rtol=1e-5)
+        adamw_clip_apply(ours, stats, 1e-2, (0.9, 0.999), 1e-8, 0.1, max_norm=1.0, inv_scale=0.5, impl=impl)
+        adamw_clip_apply_reference(ref, ref_stats, 1e-2, (0.9, 0.999), 1e-8, 0.1, max_norm=1.0, inv_scale=0.5)
+    for a, b in zip(ours.masters, ref.masters):
+        _assert_rel(a, b)
+    for a, b, master in zip(ours.params, ref.params, ours.masters):
+        assert torch.equal(a, master.to(torch.bfloat16))
+        # masters equal to ~1e-7 can still round to neighbouring bf16 values: one ulp apart at most
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_norm_is_deterministic_and_fp32_accurate(impl):
+    device = _device(impl)
+    grads = [torch.randn(s, device=device) for s in [(1 << 18,), (1000,), (3,)]]
+    b = AdamWBucket(grads, grads, grads, grads, [torch.zeros((), device=device)] * 3)
+    first = grad_stats([b], impl=impl).clone()
+    assert torch.equal(first, grad_stats([b], impl=impl))
+    exact = sum(g.double().square().sum() for g in grads)
+    assert abs(first[0].double().item() - exact.item()) <= 1e-6 * exact.item()
+
+
+def test_bad_hyper_parameters_are_clear_errors():
+    p = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match=r"lr must be a float >= 0, got -0\.1"):
+        FusedAdamWClip(p, lr=-0.1)
+    with pytest.raises(ValueError, match=r"betas must be two floats in \[0, 1\), got \(0\.9, 1\.0\)"):
+        FusedAdamWClip(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"betas .* got \(-0\.1, 0\.9\)"):
+        FusedAdamWClip(p, betas=(-0.1, 0.9))
+    with pytest.raises(ValueError, match=r"eps must be a float > 0, got 0"):
+        FusedAdamWClip(p, eps=0)
+    with pytest.raises(ValueError, match=r"max_norm must be None .* got -1\.0"):
+        FusedAdamWClip(p, max_norm=-1.0)
+    with pytest.raises(ValueError, match=r"weight_decay must be a float >= 0, got -0\.01"):
+        FusedAdamWClip(p, weight_decay=-0.01)
+    with pytest.raises(ValueError, match=r"param group 1: lr must be a float >= 0, got -1"):
+        FusedAdamWClip([dict(params=p), dict(params=[torch.nn.Parameter(torch.ones(2))], lr=-1)])
+    with pytest.raises(ValueError, match="impl='gpu' is not one of"):
+        FusedAdamWClip(p, impl="gpu")
+
+
+def test_step_without_any_grad_is_a_no_op():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdamWClip([p], impl="cpu")
+    opt.step()
+    assert not opt.state and opt.last_grad_norm is None and opt.skipped_steps == 0

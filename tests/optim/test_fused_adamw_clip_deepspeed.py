@@ -1,0 +1,195 @@
+"""FusedAdamWClip inside DeepSpeed (CPU accelerator, gloo): ZeRO-0, 1 and 2 (fp32) and ZeRO-2 bf16 with 2
+processes give the parameters and global norms of plain PyTorch (torch.optim.AdamW + clip_grad_norm_) on the
+whole global batch, with two parameter groups, one step whose gradients are nan (skipped everywhere), and a
+checkpoint whose resumed next step is bitwise identical. Also the config plumbing and its errors (single
+process, no dist)."""
+
+import logging
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from ds_loongforge.optim import (FusedAdamWClip, deepspeed_config_for, deepspeed_optimizer,  # noqa: E402
+                                 uses_fused_adamw_clip)
+
+IN, HID, OUT = 8, 16, 4
+ROWS = 6           # per rank and step
+CLIP = 0.05        # below the gradient norms here: every finite step clips
+STEPS = 5
+NAN_STEP = 2       # rank 0's input is nan on this step: every rank must skip it
+LR, WD = 0.02, 0.1
+SPAWN_TIMEOUT_S = 240
+RUNS = [(0, False), (1, False), (2, False), (2, True)]  # (ZeRO stage, bf16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, *args) -> None:
+    context = mp.spawn(fn, args=(world, _free_port()) + args, nprocs=world, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__} with {world} processes did not finish within {SPAWN_TIMEOUT_S} s")
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HID), nn.Tanh(), nn.Linear(HID, OUT))
+
+
+def _groups(model: nn.Module, **extra):
+    """weights decay, biases do not (and step faster): two groups with different hyper-parameters"""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [dict(params=weights, weight_decay=WD, **extra), dict(params=biases, weight_decay=0.0, lr=2 * LR, **extra)]
+
+
+def _batches(world: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randn(world, ROWS, IN, generator=g), torch.randn(world, ROWS, OUT, generator=g))
+               for _ in range(STEPS)]
+    batches[NAN_STEP][0][0, 0, 0] = float("nan")
+    return batches
+
+
+def _loss(model, x, target):
+    return (model(x) - target).pow(2).mean()
+
+
+def _config(stage: int, by_block: bool = False, bf16: bool = False) -> dict:
+    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
+              "optimizer": {"type": "LoongForgeAdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95],
+                                                                  "impl": "cpu"}}}
+    if by_block:
+        config["optimizer"]["type"] = "AdamW"
+        config["loongforge"] = {"enabled": True, "optimizer": {"fused_adamw_clip": True}}
+    return config
+
+
+def _worker(rank, world, port, seed, out_dir):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim import initialize
+
+    batches = _batches(world, seed)
+    results = {}
+    for run in RUNS:
+        stage, bf16 = run
+        model = _model(seed)
+        engine, _, _, _ = initialize(model=model, model_parameters=_groups(model),
+                                     config=_config(stage, by_block=stage == 2, bf16=bf16))
+        assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.gradient_clipping() == 0.0
+        cast = torch.bfloat16 if bf16 else torch.float32
+        norms, params = [], []
+        for step, (x, target) in enumerate(batches):
+            engine.backward(_loss(engine, x[rank].to(cast), target[rank].to(cast)))
+            engine.step()
+            norms.append(engine.get_global_grad_norm().clone())
+            params.append([p.detach().float().clone() for p in model.parameters()])
+            if run == (2, False) and step == STEPS - 2:
+                engine.save_checkpoint(f"{out_dir}/ckpt", tag="t")
+        results[run] = {"norms": norms, "params": params, "skipped": engine.basic_optimizer.skipped_steps}
+        if run == (2, False):  # resume from the checkpoint taken one step before the end and redo the last step
+            fresh = _model(seed + 99)
+            engine2, *_ = initialize(model=fresh, model_parameters=_groups(fresh), config=_config(stage))
+            engine2.load_checkpoint(f"{out_dir}/ckpt", tag="t")
+            x, target = batches[-1]
+            engine2.backward(_loss(engine2, x[rank], target[rank]))
+            engine2.step()
+            results["resumed"] = [p.detach().float().clone() for p in fresh.parameters()]
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+def _torch_reference(seed: int, world: int):
+    model = _model(seed)
+    ref_opt = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.9, 0.95))
+    norms, params = [], []
+    for x, target in _batches(world, seed):
+        ref_opt.zero_grad()
+        # the mean over the global batch: the average of the ranks' means (equal micro-batches)
+        _loss(model, x.reshape(-1, IN), target.reshape(-1, OUT)).backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if finite:
+            ref_opt.step()
+        norms.append(norm)
+        params.append([p.detach().clone() for p in model.parameters()])
+    return norms, params
+
+
+@pytest.mark.slow
+def test_zero0_1_2_two_processes_equal_torch_on_the_global_batch(tmp_path):
+    seed, world = int(torch.randint(0, 2**31, ())), 2
+    _spawn(_worker, world, seed, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    ref_norms, ref_params = _torch_reference(seed, world)
+    for run in RUNS:
+        # fp32: summation order only. bf16: the model runs in bf16 (fp32 masters), so grads carry bf16 error, and
+        # Adam's normalised update (~lr) of a near-zero grad can flip sign: most elements must agree to 1e-2
+        norm_rtol = 5e-2 if run[1] else 1e-5
+        for r in range(world):
+            got = ranks[r][run]
+            assert got["skipped"] == 1
+            for step in range(STEPS):
+                if step == NAN_STEP:
+                    assert not torch.isfinite(got["norms"][step])
+                else:
+                    torch.testing.assert_close(got["norms"][step], ref_norms[step], rtol=norm_rtol, atol=0)
+                if run[1]:
+                    diff = torch.cat([(a - b).flatten() for a, b in zip(got["params"][step], ref_params[step])])
+                    assert (diff.abs() <= 1e-2).float().mean() >= 0.9, (run, step, diff.abs().max())
+                else:
+                    for a, b in zip(got["params"][step], ref_params[step]):
+                        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            # the nan step changed nothing
+            for a, b in zip(got["params"][NAN_STEP], got["params"][NAN_STEP - 1]):
+                assert torch.equal(a, b)
+    for r in range(world):
+        for a, b in zip(ranks[r]["resumed"], ranks[r][2, False]["params"][-1]):
+            assert torch.equal(a, b)
+
+
+def test_config_selects_and_builds_the_optimizer():
+    model = _model(0)
+    assert uses_fused_adamw_clip(_config(1)) and uses_fused_adamw_clip(_config(1, by_block=True))
+    plain = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert not uses_fused_adamw_clip(plain)
+    disabled = {"enabled": False, "optimizer": {"fused_adamw_clip": True}}
+    assert not uses_fused_adamw_clip(dict(plain, loongforge=disabled))
+    opt = deepspeed_optimizer(_groups(model), _config(2))
+    assert opt.param_groups[0]["max_norm"] == CLIP and opt.param_groups[0]["betas"] == (0.9, 0.95)
+    assert opt.param_groups[1]["lr"] == 2 * LR and opt.param_groups[1]["weight_decay"] == 0.0
+    ds = deepspeed_config_for(_config(2))
+    assert "optimizer" not in ds and ds["gradient_clipping"] == 0.0 and ds["zero_allow_untested_optimizer"]
+    no_clip = dict(_config(2), gradient_clipping=0.0)
+    assert deepspeed_optimizer(model.parameters(), no_clip).param_groups[0]["max_norm"] is None
+
+
+def test_config_errors_name_the_value():
+    model = _model(0)
+    with pytest.raises(ValueError, match=r"unknown \"optimizer\" params \['amsgrad'\]"):
+        deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "LoongForgeAdamW",
+                                                               "params": {"amsgrad": True}}})
+    with pytest.raises(ValueError, match="type is 'Lamb'"):
+        deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "Lamb"}})
+    with pytest.raises(ValueError, match="asks for Adam"):
+        deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    with pytest.raises(ValueError, match=r"lr must be a float >= 0, got -1"):
+        deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": -1}}})
