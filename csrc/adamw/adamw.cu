@@ -151,16 +151,6 @@ __global__ void bump_steps_kernel(const int64_t* __restrict__ table, int64_t n_t
     *ptr<float>(table + kHeader + t * kEntry, kStep) += 1.f;
 }
 
-template <typename F>
-void dispatch_code(int64_t code, const char* what, F&& f) {
-    switch (code) {
-        case kF32: return f(float{});
-        case kBF16: return f(at::BFloat16{});
-        case kF16: return f(at::Half{});
-        default: LF_CHECK(false, "fused_adamw_clip: bad ", what, " dtype code ", code, " in the table");
-    }
-}
-
 }  // namespace
 
 void sumsq_partials_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& partials,

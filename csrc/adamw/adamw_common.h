@@ -33,6 +33,17 @@ constexpr int64_t kMaxPartials = 2048;
 enum Field { kParam = 0, kMaster, kGrad, kExpAvg, kExpAvgSq, kStep, kNumel, kVecOk };
 enum DtypeCode { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+// Calls f(T{}) with T the C++ type of a table's dtype code (host side, CPU and CUDA builds alike).
+template <typename F>
+inline void dispatch_code(int64_t code, const char* what, F&& f) {
+    switch (code) {
+        case kF32: return f(float{});
+        case kBF16: return f(at::BFloat16{});
+        case kF16: return f(at::Half{});
+        default: LF_CHECK(false, "fused_adamw_clip: bad ", what, " dtype code ", code, " in the table");
+    }
+}
+
 struct TableHeader {
     int64_t n_tensors, n_chunks, param_dtype, grad_dtype, has_master, chunk_size;
 };

@@ -10,16 +10,6 @@ namespace loongforge {
 namespace adamw {
 namespace {
 
-template <typename F>
-void dispatch_code(int64_t code, const char* what, F&& f) {
-    switch (code) {
-        case kF32: return f(float{});
-        case kBF16: return f(at::BFloat16{});
-        case kF16: return f(at::Half{});
-        default: LF_CHECK(false, "fused_adamw_clip: bad ", what, " dtype code ", code, " in the table");
-    }
-}
-
 struct Chunk {
     const int64_t* entry;
     int64_t begin, end;

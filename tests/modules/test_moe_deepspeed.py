@@ -12,12 +12,9 @@
 
 import logging
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -25,6 +22,7 @@ deepspeed = pytest.importorskip("deepspeed")
 from ds_loongforge.modules.moe import ExpertMaskedMoE  # noqa: E402
 from ds_loongforge.modules.moe_deepspeed import (  # noqa: E402
     DEEPSPEED_EXPERT_KEY, DeepSpeedExpertMaskedMoE, DeepSpeedStackedExperts, moe_param_groups)
+from tests._dist import spawn_with_deadline  # noqa: E402
 
 H, INTER, E, K = 16, 32, 4, 2
 TOKENS = 12          # per rank and step
@@ -34,21 +32,8 @@ STEPS = 3
 SPAWN_TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world: int, *args) -> None:
-    """mp.spawn with a deadline: a hung collective fails the test instead of blocking CI."""
-    context = mp.spawn(fn, args=(world, _free_port()) + args, nprocs=world, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{fn.__name__} with {world} processes did not finish within {SPAWN_TIMEOUT_S} s")
+    spawn_with_deadline(fn, world, *args, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _setup_env(rank: int, world: int, port: int) -> None:

@@ -6,18 +6,16 @@ process, no dist)."""
 
 import logging
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed")
 
 from ds_loongforge.optim import (FusedAdamWClip, deepspeed_config_for, deepspeed_optimizer,  # noqa: E402
                                  uses_fused_adamw_clip)
+from tests._dist import spawn_with_deadline  # noqa: E402
 
 IN, HID, OUT = 8, 16, 4
 ROWS = 6           # per rank and step
@@ -29,20 +27,8 @@ SPAWN_TIMEOUT_S = 240
 RUNS = [(0, False), (1, False), (2, False), (2, True)]  # (ZeRO stage, bf16)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world: int, *args) -> None:
-    context = mp.spawn(fn, args=(world, _free_port()) + args, nprocs=world, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{fn.__name__} with {world} processes did not finish within {SPAWN_TIMEOUT_S} s")
+    spawn_with_deadline(fn, world, *args, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _model(seed: int) -> nn.Module:
