@@ -1,0 +1,326 @@
+"""``inject(model, config)``: swap a transformers model's RMSNorm, SwiGLU MLP and MoE modules for ours.
+
+Legend (shape suffixes): T tokens, H hidden, I expert intermediate size, E experts, K experts per token.
+
+What each replacement keeps, so that training learns what the stock model would:
+
+* Parameter names, shapes and state-dict keys (a model saved after injection loads in stock transformers
+  and the reverse). FusedRMSNorm shares the norm's weight Parameter; FusedSwiGLUMLP and the MoE blocks
+  copy the weights into their own Parameters, so inject before building the optimizer.
+* The forward: MoE blocks whose router is a softmax top-k (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) use
+  ExpertMaskedMoE's router, which computes the same thing; any other router (DeepSeek-V3) is kept as is
+  and its (ids, weights) feed the expert path. Shared experts are added as the family adds them.
+* ``output_router_logits``: transformers records router logits with a forward hook on every module that
+  is an instance of the family's router class (``_can_record_outputs``). Our router is re-classed as a
+  subclass of both TopKRouter and that class, its forward returns the logits first, as the family's does,
+  and hooks already on the replaced modules move to their replacements.
+
+Nothing is replaced unless the config's ``enabled`` is true. Modules that look like these kinds but that no
+preset covers, or that a preset cannot convert, are listed in the report with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_config
+from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
+from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP
+
+logger = logging.getLogger("ds_loongforge")
+
+KIND_RMSNORM = "fused RMSNorm"
+KIND_MLP = "fused SwiGLU MLP"
+KIND_MOE = "ExpertMaskedMoE"
+KIND_MOE_EP = "DeepSpeedExpertMaskedMoE"
+OP_IMPL = "auto"
+# class-name endings of modules that look replaceable: listed as not replaced when no preset covers them
+_LOOKALIKE_SUFFIXES = ("RMSNorm", "MLP", "SparseMoeBlock", "MoeBlock", "MoE")
+
+
+@dataclass
+class InjectionReport:
+    """What ``inject`` did: modules replaced per kind, modules left as they were (path, reason), the
+    families whose presets matched, and notes on behaviour that differs from the config."""
+
+    enabled: bool
+    replaced: dict[str, int] = field(default_factory=dict)
+    not_replaced: list[tuple[str, str]] = field(default_factory=list)
+    families: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    already_injected: int = 0  # LoongForge modules found in the model before this call
+
+    @property
+    def total_replaced(self) -> int:
+        return sum(self.replaced.values())
+
+    def summary(self) -> str:
+        if not self.enabled:
+            return "[LoongForge] inject: \"enabled\" is false; nothing replaced"
+        lines = [f"[LoongForge] {kind}: {count} modules" for kind, count in self.replaced.items() if count]
+        if not lines and self.already_injected:
+            lines.append(f"[LoongForge] inject: nothing left to replace; the model already holds "
+                         f"{self.already_injected} LoongForge modules")
+        elif not lines:
+            lines.append("[LoongForge] inject: no module replaced (no known RMSNorm, SwiGLU MLP or MoE block "
+                         "of a supported family, or every kind switched off)")
+        if self.families:
+            lines.append(f"[LoongForge] families: {', '.join(self.families)}")
+        lines += [f"[LoongForge] note: {note}" for note in self.notes]
+        if self.not_replaced:
+            lines.append(f"[LoongForge] not replaced: {len(self.not_replaced)} modules")
+            by_reason: dict[str, list[str]] = {}
+            for path, reason in self.not_replaced:
+                by_reason.setdefault(reason, []).append(path)
+            for reason, paths in by_reason.items():
+                shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4 else "")
+                lines.append(f"[LoongForge]   {shown}: {reason}")
+        return "\n".join(lines)
+
+
+def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -> InjectionReport:
+    """Replace, in place, the modules of ``model`` that the config switches on; returns what was done.
+
+    ``config``: a LoongForgeConfig, a DeepSpeed config dict holding a ``"loongforge"`` block, or the block.
+    """
+    from ds_loongforge.integrations.presets import PRESETS
+
+    config = _as_config(config)
+    report = InjectionReport(enabled=config.enabled)
+    if not config.enabled:
+        logger.info(report.summary())
+        return report
+    apply_op_settings(config)
+    ours = (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE)
+    report.already_injected = sum(isinstance(m, ours) for m in model.modules())
+
+    active = [(preset, classes) for preset in PRESETS if (classes := preset.resolve()) is not None]
+    moe_types = {classes[p.moe.block]: p for p, classes in active if p.moe}
+    mlp_types = {classes[name]: p for p, classes in active for name in p.mlp}
+    norm_types = {classes[name]: p for p, classes in active for name in p.rmsnorm}
+    families: Counter = Counter()
+    handled: set[str] = set()
+
+    # MoE blocks first: the MLP pass then also fuses their shared experts, at their final paths
+    for path, module in _snapshot(model):
+        preset = moe_types.get(type(module))
+        if preset is None:
+            continue
+        handled.add(path)
+        if not config.moe.expert_masked:
+            report.not_replaced.append((path, f"{type(module).__name__}: moe.expert_masked is false"))
+            continue
+        new, reason = _build_moe(module, preset, config, report)
+        if new is None:
+            report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
+            continue
+        _swap(model, path, module, new)
+        families[preset.name] += 1
+        kind = KIND_MOE_EP if config.moe.ep_size > 1 else KIND_MOE
+        report.replaced[kind] = report.replaced.get(kind, 0) + 1
+
+    for path, module in _snapshot(model):
+        preset = mlp_types.get(type(module))
+        if preset is None:
+            continue
+        handled.add(path)
+        if not config.fused_kernels.swiglu:
+            report.not_replaced.append((path, f"{type(module).__name__}: fused_kernels.swiglu is false"))
+            continue
+        reason = _swiglu_problem(module)
+        if reason:
+            report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
+            continue
+        _swap(model, path, module, FusedSwiGLUMLP.from_hf(module, impl=OP_IMPL).train(module.training))
+        families[preset.name] += 1
+        report.replaced[KIND_MLP] = report.replaced.get(KIND_MLP, 0) + 1
+
+    for path, module in _snapshot(model):
+        preset = norm_types.get(type(module))
+        if preset is None:
+            continue
+        handled.add(path)
+        if not config.fused_kernels.rmsnorm:
+            report.not_replaced.append((path, f"{type(module).__name__}: fused_kernels.rmsnorm is false"))
+            continue
+        _swap(model, path, module, FusedRMSNorm.from_hf(module, impl=OP_IMPL).train(module.training))
+        families[preset.name] += 1
+        report.replaced[KIND_RMSNORM] = report.replaced.get(KIND_RMSNORM, 0) + 1
+
+    known = ", ".join(p.name for p, _ in active)
+    for path, module in _snapshot(model):
+        if path in handled or isinstance(module, ours) or _inside(path, handled):
+            continue
+        name = type(module).__name__
+        if name.endswith(_LOOKALIKE_SUFFIXES):
+            report.not_replaced.append((path, f"{name}: no preset covers this class (presets: {known})"))
+    report.families = sorted(families)
+
+    for line in report.summary().splitlines():
+        logger.info(line)
+    return report
+
+
+def _as_config(config) -> LoongForgeConfig:
+    if isinstance(config, LoongForgeConfig):
+        return config
+    if config is None:
+        return LoongForgeConfig()
+    if not isinstance(config, dict):
+        raise ValueError(f"inject: config must be a LoongForgeConfig, a DeepSpeed config dict or its \"loongforge\" "
+                         f"block, got {type(config).__name__}")
+    if "loongforge" in config or not set(config) <= set(LoongForgeConfig.model_fields):
+        return parse_config(config)  # a DeepSpeed config (without the block: disabled)
+    return parse_config({"loongforge": config})
+
+
+def _snapshot(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(path, module) for path, module in model.named_modules() if path]
+
+
+def _inside(path: str, parents: set[str]) -> bool:
+    return any(path.startswith(parent + ".") for parent in parents)
+
+
+def _swap(model: nn.Module, path: str, old: nn.Module, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    _move_hooks(old, new)
+    setattr(parent, name, new)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def _move_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Forward hooks on ``old`` (e.g. transformers' output recorders, installed on first forward) now fire
+    on ``new``."""
+    for name in _HOOK_DICTS:
+        getattr(new, name).update(getattr(old, name))
+
+
+def _is_silu(act: nn.Module | None) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _swiglu_problem(mlp: nn.Module) -> str | None:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not isinstance(getattr(mlp, name, None), nn.Linear):
+            return f"no nn.Linear `{name}`"
+    act = getattr(mlp, "act_fn", None)
+    if not _is_silu(act):
+        return f"activation {type(act).__name__} is not SiLU (the fused kernel computes silu(gate) * up)"
+    return None
+
+
+_DYNAMIC_CLASSES: dict[str, type] = {}
+
+
+def _dynamic_class(name: str, bases: tuple[type, ...], doc: str) -> type:
+    """One class per name, importable from this module (pickle finds it once it has been built here)."""
+    cls = _DYNAMIC_CLASSES.get(name)
+    if cls is None:
+        cls = type(name, bases, {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+        _DYNAMIC_CLASSES[name] = cls
+        globals()[name] = cls
+    return cls
+
+
+class TransformersRouterAdapter(nn.Module):
+    """Mixin over a family's router class: returns (logits_TE, None, weights_TK, ids_TK), the tuple
+    ExpertMaskedMoE expects (no probabilities: the load-balancing and z losses are off for such routers)."""
+
+    mode = "transformers"
+
+    def forward(self, x_TH: torch.Tensor):
+        logits_TE, weights_TK, ids_TK = super().forward(x_TH)
+        return logits_TE, None, weights_TK, ids_TK
+
+
+class SharedExpertsMixin(nn.Module):
+    """Mixin over ExpertMaskedMoE (or its DeepSpeed subclass): routed output + shared expert(s), the shared
+    output scaled by sigmoid(gate(x)) where the family has a gate (Qwen2-MoE)."""
+
+    shared_expert_name: str
+    shared_expert_gate_name: str | None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(hidden_states)
+        shared = getattr(self, self.shared_expert_name)(hidden_states)
+        if self.shared_expert_gate_name is not None:
+            shared = torch.sigmoid(getattr(self, self.shared_expert_gate_name)(hidden_states)) * shared
+        return routed + shared
+
+
+def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: InjectionReport):
+    """(replacement, None) or (None, reason)."""
+    spec = preset.moe
+    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    gate_up_EIH, down_EHI = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up_EIH, torch.Tensor) and isinstance(down_EHI, torch.Tensor) and gate_up_EIH.dim() == 3):
+        return None, "experts are not stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] tensors"
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        return None, f"expert activation {type(getattr(experts, 'act_fn', None)).__name__} is not SiLU"
+    if getattr(experts, "has_bias", False) or hasattr(experts, "gate_up_proj_bias"):
+        return None, "experts with biases are not supported by ExpertMaskedMoE"
+    num_experts, two_i, hidden = gate_up_EIH.shape
+    intermediate = two_i // 2
+    top_k = int(gate.top_k)
+    ep_size = config.moe.ep_size
+    if num_experts % ep_size:
+        return None, f"{num_experts} experts are not divisible by moe.ep_size={ep_size}"
+    if ep_size > 1 and not dist.is_initialized():
+        return None, (f"moe.ep_size={ep_size} needs torch.distributed initialised before inject, to know which "
+                      "experts this rank holds (call deepspeed.init_distributed() first)")
+
+    kwargs = dict(config.moe.layer_kwargs())
+    if spec.router == "transformers":
+        kwargs.update(aux_loss_coef=0.0, z_loss_coef=0.0)
+        note = (f"{preset.name}: the family's own router is kept (moe.router={config.moe.router!r} does not "
+                "apply) and ExpertMaskedMoE's aux/z losses are off (the family balances with its own scheme)")
+        if note not in report.notes:
+            report.notes.append(note)
+    renormalize = True if spec.renormalize_attr is None else bool(getattr(gate, spec.renormalize_attr))
+    factory = {"device": gate_up_EIH.device, "dtype": gate_up_EIH.dtype}
+    if ep_size > 1:
+        from ds_loongforge.modules.moe_deepspeed import DeepSpeedExpertMaskedMoE
+        moe = DeepSpeedExpertMaskedMoE(hidden, intermediate, num_experts, top_k, ep_size=ep_size,
+                                       renormalize=renormalize, jitter_noise=float(getattr(block, "jitter_noise", 0.0)),
+                                       impl=OP_IMPL, **kwargs, **factory)
+    else:
+        moe = ExpertMaskedMoE(hidden, intermediate, num_experts, top_k, renormalize=renormalize,
+                              jitter_noise=float(getattr(block, "jitter_noise", 0.0)), impl=OP_IMPL,
+                              **kwargs, **factory)
+
+    local = slice(moe.ep_rank * moe.num_local_experts, (moe.ep_rank + 1) * moe.num_local_experts)
+    with torch.no_grad():
+        moe.experts.gate_up_proj.copy_(gate_up_EIH[local])
+        moe.experts.down_proj.copy_(down_EHI[local])
+    if spec.router == "softmax_topk":
+        moe.gate.to(gate.weight.dtype)  # a router kept in fp32 in a bf16 model stays fp32
+        with torch.no_grad():
+            moe.gate.weight.copy_(gate.weight)
+        moe.gate.__class__ = _dynamic_class(f"LoongForge{type(gate).__name__}", (TopKRouter, type(gate)),
+                                            f"TopKRouter recorded as {type(gate).__name__} by transformers.")
+        _move_hooks(gate, moe.gate)
+    else:
+        gate.__class__ = _dynamic_class(f"LoongForge{type(gate).__name__}",
+                                        (TransformersRouterAdapter, type(gate)),
+                                        f"{type(gate).__name__} returning ExpertMaskedMoE's routing tuple.")
+        moe.gate = gate
+    if spec.shared_expert is not None:
+        moe.__class__ = _dynamic_class(f"LoongForgeShared{type(moe).__name__}", (SharedExpertsMixin, type(moe)),
+                                       f"{type(moe).__name__} plus the model's shared experts.")
+        moe.shared_expert_name, moe.shared_expert_gate_name = spec.shared_expert, spec.shared_expert_gate
+        setattr(moe, spec.shared_expert, getattr(block, spec.shared_expert))
+        if spec.shared_expert_gate is not None:
+            setattr(moe, spec.shared_expert_gate, getattr(block, spec.shared_expert_gate))
+    return moe.train(block.training), None

@@ -1,0 +1,60 @@
+"""Declarative presets: which transformers classes of a model family ``inject`` replaces, and how.
+
+A preset names classes of one ``transformers.models.<family>.modeling_<family>`` module; nothing here
+imports transformers until ``FamilyPreset.resolve`` runs, so a transformers release that drops a family
+only makes that preset inactive (reported by ``inject``), never an import error.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse MoE block: router ``gate`` (weight [E, H], ``top_k``), stacked SwiGLU ``experts``
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and optional shared experts.
+
+    router:
+      ``softmax_topk``: softmax in fp32 over all experts, top-k, optional renormalisation; ExpertMaskedMoE's
+      own router reproduces it (and honours ``moe.router``).
+      ``transformers``: any other router; the model's router module is kept and its (ids, weights) feed
+      ExpertMaskedMoE's expert path. Its load-balancing/z losses are off (the family defines its own).
+    """
+
+    block: str
+    router: Literal["softmax_topk", "transformers"]
+    renormalize_attr: str | None = "norm_topk_prob"  # router attribute; None: always renormalised
+    shared_expert: str | None = None       # block attribute holding a dense SwiGLU MLP added to the output
+    shared_expert_gate: str | None = None  # Linear(H, 1): the shared output is scaled by sigmoid(gate(x))
+
+
+@dataclass(frozen=True)
+class FamilyPreset:
+    name: str
+    modeling_module: str
+    rmsnorm: tuple[str, ...] = ()
+    mlp: tuple[str, ...] = ()  # dense SwiGLU MLPs: gate_proj, up_proj, down_proj, SiLU act_fn
+    moe: MoESpec | None = None
+
+    def resolve(self) -> dict[str, type] | None:
+        """Class name -> class from the family's modeling module, or None if this transformers lacks it."""
+        try:
+            module = importlib.import_module(self.modeling_module)
+        except ImportError:
+            return None
+        names = (*self.rmsnorm, *self.mlp, *((self.moe.block,) if self.moe else ()))
+        classes = {name: getattr(module, name, None) for name in names}
+        return None if any(c is None for c in classes.values()) else classes
+
+
+# imported after the dataclasses above, which the family files use
+from ds_loongforge.integrations.presets import (  # noqa: E402
+    deepseek_v3, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe)
+
+PRESETS: tuple[FamilyPreset, ...] = tuple(
+    family.PRESET for family in (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, llama, qwen2, qwen3))
+
+__all__ = ["FamilyPreset", "MoESpec", "PRESETS"]

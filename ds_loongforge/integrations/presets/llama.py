@@ -1,0 +1,10 @@
+"""Llama (dense): RMSNorm and SwiGLU MLP (with or without mlp_bias)."""
+
+from ds_loongforge.integrations.presets import FamilyPreset
+
+PRESET = FamilyPreset(
+    name="llama",
+    modeling_module="transformers.models.llama.modeling_llama",
+    rmsnorm=("LlamaRMSNorm",),
+    mlp=("LlamaMLP",),
+)

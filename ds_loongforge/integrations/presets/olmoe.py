@@ -1,0 +1,11 @@
+"""OLMoE: softmax top-k router (renormalised if norm_topk_prob); q/k norms are the same RMSNorm class."""
+
+from ds_loongforge.integrations.presets import FamilyPreset, MoESpec
+
+PRESET = FamilyPreset(
+    name="olmoe",
+    modeling_module="transformers.models.olmoe.modeling_olmoe",
+    rmsnorm=("OlmoeRMSNorm",),
+    mlp=("OlmoeMLP",),
+    moe=MoESpec(block="OlmoeSparseMoeBlock", router="softmax_topk"),
+)

@@ -1,0 +1,10 @@
+"""Qwen2 (dense): RMSNorm and SwiGLU MLP."""
+
+from ds_loongforge.integrations.presets import FamilyPreset
+
+PRESET = FamilyPreset(
+    name="qwen2",
+    modeling_module="transformers.models.qwen2.modeling_qwen2",
+    rmsnorm=("Qwen2RMSNorm",),
+    mlp=("Qwen2MLP",),
+)

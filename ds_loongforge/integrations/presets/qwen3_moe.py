@@ -1,0 +1,12 @@
+"""Qwen3-MoE: softmax top-k router (renormalised if norm_topk_prob); no shared expert. The q/k norms over
+the head dimension are the same RMSNorm class."""
+
+from ds_loongforge.integrations.presets import FamilyPreset, MoESpec
+
+PRESET = FamilyPreset(
+    name="qwen3_moe",
+    modeling_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
+    rmsnorm=("Qwen3MoeRMSNorm",),
+    mlp=("Qwen3MoeMLP",),
+    moe=MoESpec(block="Qwen3MoeSparseMoeBlock", router="softmax_topk"),
+)

@@ -1,0 +1,298 @@
+"""inject() on tiny random transformers models of every supported family, in fp32 on CPU: logits, loss (with
+the router aux loss where the family has one) and gradients equal to the stock model's; state-dict keys
+and shapes unchanged, and checkpoints load both ways."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from ds_loongforge.config import LoongForgeConfig
+from ds_loongforge.integrations.inject import (KIND_MLP, KIND_MOE, KIND_MOE_EP, KIND_RMSNORM, InjectionReport,
+                                               SharedExpertsMixin, inject)
+from ds_loongforge.modules import ExpertMaskedMoE, FusedRMSNorm, FusedSwiGLUMLP
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+MOE_RTOL, ATOL = 1e-5, 1e-6
+
+# family -> (config class, model class, config kwargs, expected replacements per kind)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+                {KIND_MOE: 2, KIND_RMSNORM: 5}),
+    # layer 1 dense (mlp_only_layers), shared expert with its sigmoid gate, no renormalisation
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+                       output_router_logits=True),
+                  {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 5}),
+    # q/k norms over the head dimension are RMSNorms too
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                       norm_topk_prob=True, head_dim=8, output_router_logits=True),
+                  {KIND_MOE: 2, KIND_RMSNORM: 9}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, output_router_logits=True),
+              {KIND_MOE: 2, KIND_RMSNORM: 9}),
+    # layer 0 dense, layer 1 MoE: sigmoid router, 2 groups (1 kept), bias, scaling factor, one shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4),
+                    {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 9}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=48, mlp_bias=True),
+              {KIND_MLP: 2, KIND_RMSNORM: 5}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=48), {KIND_MLP: 2, KIND_RMSNORM: 5}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=48, head_dim=8),
+              {KIND_MLP: 2, KIND_RMSNORM: 9}),
+}
+ENABLED = {"loongforge": {"enabled": True}}
+
+
+def build(family: str) -> nn.Module:
+    config_cls, model_cls, kwargs, _ = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **kwargs})
+    model = getattr(transformers, model_cls)(config).float()
+    if family == "deepseek_v3":
+        with torch.no_grad():  # a nonzero correction bias, so that it changes which experts are chosen
+            for module in model.modules():
+                if hasattr(module, "e_score_correction_bias"):
+                    module.e_score_correction_bias.normal_(std=0.05)
+    return model
+
+
+def run(model: nn.Module, ids: torch.Tensor):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_injected_model_matches_stock(family):
+    stock = build(family).train()
+    injected = copy.deepcopy(stock)
+    report = inject(injected, ENABLED)
+
+    assert report.replaced == FAMILIES[family][3], report.summary()
+    assert report.not_replaced == [] and report.families == [family]
+    kinds = {FusedRMSNorm: KIND_RMSNORM, FusedSwiGLUMLP: KIND_MLP, ExpertMaskedMoE: KIND_MOE}
+    for cls, kind in kinds.items():
+        assert sum(isinstance(m, cls) for m in injected.modules()) == report.replaced.get(kind, 0)
+
+    ids = torch.randint(0, VOCAB, (2, 12))
+    ref, out = run(stock, ids), run(injected, ids)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=MOE_RTOL, atol=ATOL)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=MOE_RTOL, atol=ATOL)
+    if getattr(ref, "aux_loss", None) is not None:  # router logits recorded through our router
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=MOE_RTOL, atol=ATOL)
+
+    stock_params = dict(stock.named_parameters())
+    compared = 0
+    for name, param in injected.named_parameters():
+        if name in stock_params:
+            ref_grad = stock_params[name].grad
+        elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+            prefix, kind = name.rsplit(".gate_up_proj.", 1)
+            ref_grad = torch.cat([stock_params[f"{prefix}.gate_proj.{kind}"].grad,
+                                  stock_params[f"{prefix}.up_proj.{kind}"].grad])
+        else:
+            raise AssertionError(f"{name} has no counterpart in the stock model")
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, ref_grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        compared += 1
+    assert compared >= len(stock_params) - 2 * FAMILIES[family][3].get(KIND_MLP, 0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])  # the two with shared experts and extra keys
+def test_state_dict_round_trip(family):
+    stock = build(family).eval()
+    injected = copy.deepcopy(stock)
+    inject(injected, ENABLED)
+    ours = injected.state_dict()
+    theirs = stock.state_dict()
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+
+    fresh = build(family).eval()
+    fresh.load_state_dict(ours, strict=True)  # saved after injection -> stock model
+    ids = torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=0, atol=0)
+
+    other = build(family).eval()  # stock checkpoint -> injected model
+    inject(other, ENABLED)
+    other.load_state_dict(theirs, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, stock(input_ids=ids).logits,
+                                   rtol=MOE_RTOL, atol=ATOL)
+
+
+def test_shared_expert_block_layout():
+    model = build("qwen2_moe")
+    inject(model, ENABLED)
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SharedExpertsMixin) and isinstance(block, ExpertMaskedMoE)
+    assert isinstance(block.shared_expert, FusedSwiGLUMLP)  # the shared expert is a dense MLP: fused too
+    assert isinstance(block.shared_expert_gate, nn.Linear)
+    assert isinstance(block.gate, transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter)
+
+
+def test_router_logits_recorded_when_hooks_predate_injection():
+    """transformers installs its output-recording hooks on the first forward; injecting after it must move
+    them to the new routers, or output_router_logits would silently return nothing."""
+    stock = build("mixtral").eval()
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with torch.no_grad():
+        ref = stock(input_ids=ids, output_router_logits=True)
+        inject(stock, ENABLED)
+        out = stock(input_ids=ids, output_router_logits=True)
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    for a, b in zip(out.router_logits, ref.router_logits):
+        torch.testing.assert_close(a, b, rtol=MOE_RTOL, atol=ATOL)
+
+
+def test_aux_loss_attribute_and_router_mode():
+    model = build("mixtral").train()
+    inject(model, {"enabled": True, "moe": {"router": "sampled", "aux_loss_coef": 0.02}})
+    block = model.model.layers[0].mlp
+    assert block.gate.mode == "sampled" and block.aux_loss_coef == 0.02
+    model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    assert block.aux_loss is not None and block.aux_loss.item() > 0
+
+
+def test_deepseek_keeps_its_router_and_reports_it():
+    model = build("deepseek_v3")
+    report = inject(model, {"enabled": True, "moe": {"router": "sampled"}})
+    block = model.model.layers[1].mlp
+    assert isinstance(block.gate, transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter)
+    assert block.aux_loss_coef == 0 and block.z_loss_coef == 0
+    assert any("deepseek_v3" in note and "router" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("config", [
+    LoongForgeConfig(enabled=True),
+    {"enabled": True},                                        # the block itself
+    {"train_batch_size": 8, "loongforge": {"enabled": True}},  # a DeepSpeed config
+])
+def test_config_forms(config):
+    model = build("llama")
+    assert inject(model, config).replaced == FAMILIES["llama"][3]
+
+
+@pytest.mark.parametrize("config", [
+    None, {"train_batch_size": 8}, {"loongforge": {"enabled": False}}, LoongForgeConfig()])
+def test_disabled_changes_nothing(config):
+    model = build("mixtral")
+    before = [type(m) for m in model.modules()]
+    report = inject(model, config)
+    assert not report.enabled and report.total_replaced == 0
+    assert [type(m) for m in model.modules()] == before
+    assert "nothing replaced" in report.summary()
+
+
+def test_switches_off_are_reported():
+    model = build("qwen2_moe")
+    report = inject(model, {"enabled": True, "fused_kernels": {"rmsnorm": False, "swiglu": False},
+                            "moe": {"expert_masked": False}})
+    assert report.total_replaced == 0
+    reasons = {reason for _, reason in report.not_replaced}
+    assert any("fused_kernels.rmsnorm is false" in r for r in reasons)
+    assert any("fused_kernels.swiglu is false" in r for r in reasons)
+    assert any("moe.expert_masked is false" in r for r in reasons)
+    assert len(report.not_replaced) == 5 + 2 + 1  # norms, MLPs (dense layer 1, shared expert of 0), MoE block
+
+
+def test_expert_parallel_without_distributed_is_reported():
+    model = build("mixtral")
+    report = inject(model, {"enabled": True, "moe": {"ep_size": 2}})
+    assert report.replaced == {KIND_RMSNORM: 5}
+    assert [p for p, _ in report.not_replaced] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert "torch.distributed" in report.not_replaced[0][1]
+
+
+def test_unsupported_model_is_reported_not_raised(caplog):
+    class FooRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+    class FooMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+    model = nn.Sequential(FooRMSNorm(), FooMLP(), nn.Linear(8, 8))
+    with caplog.at_level(logging.INFO, logger="ds_loongforge"):
+        report = inject(model, ENABLED)
+    assert isinstance(report, InjectionReport) and report.total_replaced == 0
+    assert [p for p, _ in report.not_replaced] == ["0", "1"]
+    assert all("no preset covers" in reason for _, reason in report.not_replaced)
+    assert "no module replaced" in caplog.text and "FooRMSNorm" in caplog.text
+
+
+def test_second_inject_says_already_injected():
+    model = build("llama")
+    inject(model, ENABLED)
+    report = inject(model, ENABLED)
+    assert report.total_replaced == 0 and report.already_injected == 2 + 5  # MLPs, norms
+    assert "already holds 7 LoongForge modules" in report.summary()
+
+
+def test_log_lines(caplog):
+    model = build("mixtral")
+    with caplog.at_level(logging.INFO, logger="ds_loongforge"):
+        inject(model, ENABLED)
+    assert "[LoongForge] ExpertMaskedMoE: 2 modules" in caplog.text
+    assert "[LoongForge] fused RMSNorm: 5 modules" in caplog.text
+
+
+def _expert_parallel_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # the same stock model on both ranks
+        stock = build("qwen2_moe").train()
+        injected = copy.deepcopy(stock)
+        report = inject(injected, {"enabled": True, "moe": {"ep_size": 2}})
+        torch.manual_seed(1 + rank)  # different tokens per rank: the all-to-all carries real traffic
+        ids = torch.randint(0, VOCAB, (2, 12))
+        ref, out = run(stock, ids), run(injected, ids)
+        experts = injected.model.layers[0].mlp.experts
+        torch.save({"replaced": report.replaced, "logits": (out.logits.detach(), ref.logits.detach()),
+                    "aux": (out.aux_loss.detach(), ref.aux_loss.detach()),
+                    "experts": (experts.gate_up_proj.detach(), experts.gate_up_proj.grad),
+                    "stock_experts": stock.model.layers[0].mlp.experts.gate_up_proj.detach(),
+                    "stock_grad": stock.model.layers[0].mlp.experts.gate_up_proj.grad},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing deepspeed: about 15 s of the file's run time
+def test_expert_parallel_two_ranks(tmp_path):
+    """ep_size=2 over gloo: each rank holds its half of the experts, copied from the model; logits and the
+    router aux loss equal the stock model's on every rank, and a rank's expert gradients are the stock
+    gradients of those experts summed over both ranks' tokens (the tokens that reached them)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_expert_parallel_worker, args=(port, str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for rank, result in enumerate(results):
+        assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5}
+        torch.testing.assert_close(*result["logits"], rtol=MOE_RTOL, atol=ATOL)
+        torch.testing.assert_close(*result["aux"], rtol=MOE_RTOL, atol=ATOL)
+        mine = slice(rank * 2, (rank + 1) * 2)
+        weight, grad = result["experts"]
+        torch.testing.assert_close(weight, result["stock_experts"][mine], rtol=0, atol=0)
+        torch.testing.assert_close(grad, sum(r["stock_grad"][mine] for r in results), rtol=1e-4, atol=1e-6)
