@@ -90,6 +90,19 @@ class LoongForgeBuilderMixin:
     BUILD_VAR: str = ""
     SOURCES: tuple[str, ...] = ()
     _loaded: dict[str, object] = {}
+    _host_flags: dict[str, str] = {}  # per process: the host does not change under us
+
+    # DeepSpeed asks py-cpuinfo afresh on every call (about 1.2 s each, 8 calls per op load, also when
+    # the op is already compiled and only its cache key is checked): ask once per process
+    def cpu_arch(self):
+        if "cpu_arch" not in self._host_flags:
+            self._host_flags["cpu_arch"] = super().cpu_arch()
+        return self._host_flags["cpu_arch"]
+
+    def simd_width(self):
+        if "simd_width" not in self._host_flags:
+            self._host_flags["simd_width"] = super().simd_width()
+        return self._host_flags["simd_width"]
 
     def absolute_name(self) -> str:
         return f"{PREBUILT_PACKAGE}.{self.NAME}"

@@ -1,0 +1,156 @@
+"""launch/train.py end to end on CPU, in subprocesses (as users run it).
+
+- LoongForge on (ds_configs/cpu.json): finite losses, MoE layers replaced, checkpoints written; a run resumed
+  from the step-4 checkpoint reaches step 6 with the same loss, bit for bit, as the run that never stopped
+  (weights, optimizer, step counter and expert-aware sampler position all restored).
+- --no-loongforge: the stock transformers model and DeepSpeed optimizer.
+- The deepspeed launcher with 2 CPU processes on ds_configs/multi_gpu_ep.json: ZeRO-2 bf16, experts sharded over
+  ep_size 2, FusedAdamWClip.
+- The corpus helpers and the config flags, in process.
+Sizes are cut (sequences of 64 tokens, a few steps) so the file runs in about 2 minutes on 2 cores.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "launch" / "train.py"
+FAST = ["--seq-len", "64", "--eval-every", "0", "--eval-batches", "2", "--log-every", "2", "--no-progress"]
+TIMEOUT_S = 240
+
+sys.path.insert(0, str(TRAIN.parent))
+import _corpus  # noqa: E402
+import train  # noqa: E402
+
+
+def _env() -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _summary(cmd: list[str], cwd: Path = ROOT) -> dict:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-4000:]}")
+    # train.py's last line; the deepspeed launcher prints its own lines after it
+    last = next((line for line in reversed(proc.stdout.splitlines()) if line.startswith('{"steps"')), None)
+    assert last is not None, f"no JSON summary line in the output:\n{proc.stdout[-4000:]}"
+    summary = json.loads(last)
+    summary["_log"] = proc.stdout + proc.stderr
+    return summary
+
+
+def _train(*args: str) -> dict:
+    return _summary([sys.executable, str(TRAIN), *FAST, *args])
+
+
+def _assert_finite(summary: dict) -> None:
+    for _, loss in summary["loss_history"]:
+        assert math.isfinite(loss) and 0 < loss < 10, summary["loss_history"]
+    assert math.isfinite(summary["eval_loss"]), summary["eval_loss"]
+    assert summary["tokens_per_s"] > 0
+
+
+def test_loongforge_run_checkpoint_and_exact_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    full = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "6", "--save-dir", str(ckpt),
+                  "--save-every", "2")
+    _assert_finite(full)
+    assert full["loongforge"] and full["moe_layers"] == 2 and full["expert_aware_sampler"], full
+    assert full["steps"] == 6 and [s for s, _ in full["loss_history"]] == [2, 4, 6]
+    assert full["loss_history"][-1][1] < full["loss_history"][0][1], full["loss_history"]  # it learns
+    assert "[LoongForge]" in full["_log"] and "ExpertMaskedMoE" in full["_log"]
+    assert full["routing"]["sparsity"] == pytest.approx(0.75)  # 8 experts, top-2
+    assert {p.name for p in ckpt.iterdir()} >= {"step2", "step4", "step6", "latest"}
+
+    (ckpt / "latest").write_text("step4")  # resume from the middle: the last window must repeat exactly
+    resumed = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "6", "--save-dir", str(ckpt),
+                     "--resume")
+    assert resumed["start_step"] == 4 and resumed["steps"] == 6, resumed
+    assert "resumed from" in resumed["_log"]
+    assert resumed["loss_history"] == [full["loss_history"][-1]], (resumed["loss_history"], full["loss_history"])
+    assert resumed["eval_loss"] == full["eval_loss"]
+
+
+def test_no_loongforge_runs_stock(tmp_path):
+    summary = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "2", "--no-loongforge")
+    _assert_finite(summary)
+    assert not summary["loongforge"] and summary["moe_layers"] == 0 and not summary["expert_aware_sampler"]
+    assert "ExpertMaskedMoE:" not in summary["_log"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_deepspeed_launcher_two_cpu_processes_expert_parallel():
+    launcher = Path(sys.executable).parent / "deepspeed"
+    if not launcher.exists():
+        pytest.skip(f"no deepspeed launcher next to {sys.executable}")
+    summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), str(TRAIN), *FAST,
+                        "--deepspeed_config", "ds_configs/multi_gpu_ep.json", "--steps", "2"])
+    _assert_finite(summary)
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 2 and summary["bf16"], summary
+    assert summary["optimizer"] == "FusedAdamWClip", summary["optimizer"]
+    assert "DeepSpeedExpertMaskedMoE: 2 modules" in summary["_log"]
+
+
+# --- in process ------------------------------------------------------------------------------------------------
+
+def test_pack_holds_out_whole_documents():
+    tok = _corpus.ByteTokenizer()
+    docs = ["alpha " * 40, "beta " * 40, "gamma " * 40, "delta " * 40]
+    corpus = _corpus.pack(docs, tok, seq_len=16, eval_fraction=0.25, source="test")
+    assert all(len(row["input_ids"]) == 16 for row in corpus.train + corpus.eval)
+    assert all(max(row["input_ids"]) < tok.vocab_size for row in corpus.train)
+    assert "delta" in tok.decode(corpus.eval[0]["input_ids"])
+    assert not any("delta" in tok.decode(row["input_ids"]) for row in corpus.train)
+    with pytest.raises(ValueError, match="seq-len"):
+        _corpus.pack(docs, tok, seq_len=1000, eval_fraction=0.25, source="test")
+
+
+def test_pydoc_corpus_is_offline_english():
+    docs = _corpus.pydoc_documents()
+    assert len(docs) > 50 and sum(map(len, docs)) > 100_000
+    assert "the" in docs[0].lower()
+
+
+def test_local_text_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    path = tmp_path / "corpus.txt"
+    path.write_text("first line of text\nsecond line\n\nthird\n")
+    assert _corpus.dataset_documents(str(path)) == ["first line of text", "second line", "third"]
+    with pytest.raises(ValueError, match="text column"):
+        _corpus.dataset_documents(str(path), column="body")
+
+
+@pytest.mark.parametrize("flag, expected", [(None, True), (True, True), (False, False)])
+def test_loongforge_flags(tmp_path, flag, expected):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": 1e-3}},
+                                  "loongforge": {"enabled": True}}))
+    ds_config, enabled = train.load_ds_config(str(config), flag)
+    assert enabled is expected and ds_config["loongforge"]["enabled"] is expected
+    assert ds_config["optimizer"]["type"] == ("LoongForgeAdamW" if expected else "AdamW")  # stock = stock optimizer
+
+
+def test_bad_config_block_names_the_key(tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"loongforge": {"enabled": True, "moe": {"ep_sise": 2}}}))
+    with pytest.raises(ValueError, match="ep_sise"):
+        train.load_ds_config(str(config), None)
