@@ -11,9 +11,14 @@ Prebuilding needs torch, DeepSpeed and pydantic already installed in the build e
 import os
 import sys
 
-from setuptools import setup
+from setuptools import Command, setup
+from setuptools.command.build import build
+from setuptools.command.develop import develop
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# site processes .pth files in name order; this name sorts after those that put the package on sys.path
+# ("__editable__.ds_loongforge-*.pth" of pip install -e, "easy-install.pth" of a legacy setup.py develop)
+AUTOLOAD_PTH = "loongforge_autoload.pth"
 
 PACKAGES = [
     "ds_loongforge",
@@ -21,6 +26,8 @@ PACKAGES = [
     "ds_loongforge.modules",
     "ds_loongforge.optim",
     "ds_loongforge.data",
+    "ds_loongforge.integrations",
+    "ds_loongforge.integrations.presets",
     "ds_loongforge._ops",
     "ds_loongforge.op_builder",
     "ds_loongforge.csrc",
@@ -60,7 +67,52 @@ def prebuilt_extensions():
     return extensions, {"build_ext": BuildExtension}
 
 
+class BuildAutoloadPth(Command):
+    """Put loongforge_autoload.pth at the root of site-packages (config-only enablement: it imports
+    ds_loongforge._autoload, which wraps deepspeed.initialize when deepspeed is imported). A regular build
+    copies it into build_lib, which becomes the wheel root; an editable build (pip install -e) writes it
+    into the unpacked editable wheel's root, which setuptools points install_lib at."""
+
+    description = "install the ds_loongforge config-only autoload .pth"
+    user_options = []
+    editable_mode = False
+
+    def initialize_options(self):
+        self.build_lib = None
+
+    def finalize_options(self):
+        self.set_undefined_options("build", ("build_lib", "build_lib"))
+
+    def run(self):
+        if self.editable_mode:
+            target = self.get_finalized_command("install").install_lib
+        else:
+            target = self.build_lib
+        self.mkpath(target)
+        self.copy_file(os.path.join(ROOT, AUTOLOAD_PTH), os.path.join(target, AUTOLOAD_PTH))
+
+    def get_outputs(self):
+        return [os.path.join(self.build_lib, AUTOLOAD_PTH)]
+
+
+class BuildWithAutoloadPth(build):
+    sub_commands = [*build.sub_commands, ("build_autoload_pth", None)]
+
+
+class DevelopWithAutoloadPth(develop):
+    """Legacy editable install (pip without PEP 660 support for this project runs `setup.py develop`, which
+    has no build step): copy the .pth into site-packages too. Newer setuptools' develop runs
+    `pip install -e`, which goes through BuildAutoloadPth, and leaves install_dir unset."""
+
+    def run(self):
+        super().run()
+        if self.install_dir and not getattr(self, "uninstall", False):
+            self.copy_file(os.path.join(ROOT, AUTOLOAD_PTH), os.path.join(self.install_dir, AUTOLOAD_PTH))
+
+
 ext_modules, cmdclass = prebuilt_extensions()
+cmdclass = {**cmdclass, "build": BuildWithAutoloadPth, "build_autoload_pth": BuildAutoloadPth,
+            "develop": DevelopWithAutoloadPth}
 
 setup(
     name="ds_loongforge",
@@ -82,7 +134,7 @@ setup(
         "pydantic>=2",
         "tqdm",
     ],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest", "accelerate"], "bench": ["matplotlib"]},  # accelerate: the HF Trainer test
     entry_points={"console_scripts": ["loongforge_report=ds_loongforge.report:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

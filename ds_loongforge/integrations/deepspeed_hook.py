@@ -1,0 +1,243 @@
+"""``initialize``: ``deepspeed.initialize`` that applies the config's ``"loongforge"`` block.
+
+    engine, optimizer, loader, scheduler = ds_loongforge.initialize(model=model, model_parameters=params, config=cfg)
+
+Same arguments and return values as ``deepspeed.initialize``. With ``"loongforge": {"enabled": true}`` in the
+config (a dict, a JSON path, or ``args.deepspeed_config``), before DeepSpeed builds its engine:
+
+1. the op settings (``strict_ops``) are applied;
+2. ``inject(model, config)`` replaces RMSNorm, SwiGLU MLP and MoE modules (one log line per family and the
+   modules left as they were, with the reason);
+3. parameters the caller collected before (``model_parameters``, a client optimizer's groups) are remapped to
+   the replacements' Parameters by name: injection copies MLP and expert weights into new Parameters, and an
+   optimizer holding the old ones would train tensors the model no longer uses (the HF Trainer builds its
+   optimizer before calling ``deepspeed.initialize``);
+4. the optimizer is FusedAdamWClip when the config selects it (``ds_loongforge.optim.initialize``);
+5. ``training_data`` is served by ``ds_loongforge.data.build_dataloader`` (ExpertAwareSampler) when
+   ``sampler.expert_aware`` is true, else by DeepSpeed's own loader.
+
+Without the block, with ``"enabled": false``, or with ``LOONGFORGE_DISABLE=1`` this is exactly
+``deepspeed.initialize``. ``install(deepspeed)`` makes ``deepspeed.initialize`` itself this function; the
+``.pth`` autoloader (``ds_loongforge._autoload``) calls it when ``deepspeed`` is imported, so unmodified scripts
+(direct calls, HF Trainer, accelerate: all look ``deepspeed.initialize`` up at call time) get it from the
+config alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+logger = logging.getLogger("ds_loongforge")
+
+ENV_DISABLE = "LOONGFORGE_DISABLE"
+_ORIGINAL_ATTR = "__loongforge_original__"
+_reentry = threading.local()  # optim.initialize calls deepspeed.initialize: that inner call must be the stock one
+
+
+def disabled_by_env() -> bool:
+    """True when ``LOONGFORGE_DISABLE`` is set to anything but "", "0", "false" or "no"."""
+    return os.environ.get(ENV_DISABLE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def stock_initialize():
+    """The unwrapped ``deepspeed.initialize``."""
+    import deepspeed
+
+    return getattr(deepspeed.initialize, _ORIGINAL_ATTR, deepspeed.initialize)
+
+
+def install(deepspeed_module) -> None:
+    """Make ``deepspeed_module.initialize`` apply the loongforge block (idempotent)."""
+    original = deepspeed_module.initialize
+    if hasattr(original, _ORIGINAL_ATTR):
+        return
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        return _initialize(original, args, kwargs)
+
+    setattr(initialize, _ORIGINAL_ATTR, original)
+    deepspeed_module.initialize = initialize
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with the ``"loongforge"`` block applied (see the module doc)."""
+    return _initialize(stock_initialize(), args, kwargs)
+
+
+def _initialize(original, args: tuple, kwargs: dict):
+    if getattr(_reentry, "active", False) or disabled_by_env():
+        return original(*args, **kwargs)
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    call = dict(bound.arguments)
+    ds_config = _resolve_config(call)
+    if not isinstance(ds_config, dict) or "loongforge" not in ds_config:
+        return original(*args, **kwargs)
+    from ds_loongforge.config import parse_config
+
+    config = parse_config(ds_config)  # a disabled block is validated too: a typo must not pass silently
+    if not config.enabled:
+        return original(*args, **kwargs)
+    _reentry.active = True
+    try:
+        return _initialize_enabled(original, call, ds_config, config)
+    finally:
+        _reentry.active = False
+
+
+def _resolve_config(call: dict) -> Any:
+    """The DeepSpeed config as ``deepspeed.initialize`` finds it (``config``, ``config_params`` or
+    ``args.deepspeed_config``/``args.deepscale_config``), loaded into a dict; ``None`` when there is none."""
+    config = call.get("config")
+    if config is None:
+        config = call.get("config_params")
+    cli_args = call.get("args")
+    if config is None and cli_args is not None:
+        config = getattr(cli_args, "deepspeed_config", None) or getattr(cli_args, "deepscale_config", None)
+    if config is None or isinstance(config, dict):
+        return config
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+def _initialize_enabled(original, call: dict, ds_config: dict, config):
+    from ds_loongforge.config import apply_op_settings
+    from ds_loongforge.integrations.inject import inject
+    from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
+    from ds_loongforge.optim import initialize as optim_initialize
+
+    _ensure_log_handler()
+    model = call.get("model")
+    if model is None:
+        raise ValueError("ds_loongforge.initialize: no model given (deepspeed.initialize requires a model)")
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError("ds_loongforge.initialize: the model was built under deepspeed.zero.Init (ZeRO-3), so its "
+                         "parameters are already partitioned and cannot be copied into LoongForge modules; build "
+                         "the model without zero.Init, or set \"loongforge\": {\"enabled\": false}")
+    apply_op_settings(config)
+
+    params_before = dict(model.named_parameters())
+    inject(model, config)
+    remap = _parameter_remap(params_before, dict(model.named_parameters()))
+    if call.get("model_parameters") is not None:
+        call["model_parameters"] = _remap_model_parameters(call["model_parameters"], remap)
+    client_optimizer = call.get("optimizer")
+    if hasattr(client_optimizer, "param_groups"):
+        moved = _remap_optimizer(client_optimizer, remap)
+        if moved:
+            logger.info("[LoongForge] client optimizer: %d parameters remapped to the injected modules", moved)
+
+    # DeepSpeed reads the config from one place only; pass it as a dict and hide it from args
+    call.pop("config_params", None)
+    call["config"] = ds_config
+    cli_args = call.get("args")
+    if cli_args is not None and (getattr(cli_args, "deepspeed_config", None) is not None
+                                 or getattr(cli_args, "deepscale_config", None) is not None):
+        cli_args = copy.copy(cli_args)
+        for name in ("deepspeed_config", "deepscale_config"):
+            if hasattr(cli_args, name):
+                setattr(cli_args, name, None)
+        call["args"] = cli_args
+
+    training_data = call.get("training_data")
+    own_loader = training_data is not None and config.sampler.expert_aware
+    if own_loader:
+        call["training_data"] = None
+
+    if isinstance(client_optimizer, FusedAdamWClip):
+        # ds_loongforge.optim.initialize built it and calls deepspeed.initialize (this hook) with it; it attaches
+        # the optimizer to the engine once this returns
+        logger.info("[LoongForge] optimizer: FusedAdamWClip (built by ds_loongforge.optim.initialize)")
+        engine, optimizer, loader, scheduler = original(**call)
+    elif uses_fused_adamw_clip(ds_config):
+        logger.info("[LoongForge] optimizer: FusedAdamWClip (AdamW + global-norm clip + non-finite skip)")
+        engine, optimizer, loader, scheduler = optim_initialize(**call)
+    else:
+        logger.info("[LoongForge] optimizer: not replaced (%s)", _optimizer_reason(client_optimizer))
+        engine, optimizer, loader, scheduler = original(**call)
+
+    if own_loader:
+        from ds_loongforge.data import build_dataloader
+
+        world_size, rank = engine.dp_world_size, engine.global_rank
+        if engine.mpu is not None:
+            world_size, rank = engine.mpu.get_data_parallel_world_size(), engine.mpu.get_data_parallel_rank()
+        loader = build_dataloader(training_data, config, engine.module, engine.train_micro_batch_size_per_gpu(),
+                                  rank=rank, world_size=world_size, collate_fn=call.get("collate_fn"))
+        engine.training_dataloader = loader
+        logger.info("[LoongForge] training data: ExpertAwareSampler (%d batches per epoch on this rank)", len(loader))
+    elif training_data is not None:
+        logger.info("[LoongForge] training data: DeepSpeed's loader (sampler.expert_aware is false)")
+    return engine, optimizer, loader, scheduler
+
+
+def _optimizer_reason(client_optimizer) -> str:
+    if client_optimizer is not None:
+        return "the script passes its own optimizer"
+    return 'neither "optimizer": {"type": "LoongForgeAdamW"} nor loongforge.optimizer.fused_adamw_clip is set'
+
+
+def _parameter_remap(before: dict, after: dict) -> dict[int, Any]:
+    """id(old Parameter) -> its replacement, matched by name (inject keeps parameter names)."""
+    return {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
+
+
+def _remap_model_parameters(model_parameters, remap: dict[int, Any]):
+    """``model_parameters`` (tensors, or param-group dicts) with replaced Parameters swapped in."""
+    items = list(model_parameters)
+    if not remap:
+        return items
+    out = []
+    for item in items:
+        if isinstance(item, dict):
+            group = dict(item)
+            group["params"] = [remap.get(id(p), p) for p in _as_list(group["params"])]
+            out.append(group)
+        else:
+            out.append(remap.get(id(item), item))
+    return out
+
+
+def _remap_optimizer(optimizer, remap: dict[int, Any]) -> int:
+    """Swap replaced Parameters into ``optimizer.param_groups`` (and move their state); returns how many."""
+    moved = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, param in enumerate(params):
+            new = remap.get(id(param))
+            if new is None:
+                continue
+            params[i] = new
+            if param in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(param)
+            moved += 1
+    return moved
+
+
+def _as_list(params) -> list:
+    return [params] if hasattr(params, "data") and not isinstance(params, (list, tuple)) else list(params)
+
+
+def _ensure_log_handler() -> None:
+    """``[LoongForge]`` lines go to stderr when the script configured no logging of its own (rank 0 only,
+    as DeepSpeed's own info lines: torch.distributed is not initialised yet, so the launcher's RANK decides)."""
+    if logger.hasHandlers():
+        if logger.getEffectiveLevel() > logging.INFO and logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    if os.environ.get("RANK", "0") != "0":
+        handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

@@ -1,0 +1,242 @@
+"""Config-only enablement: unmodified scripts that call ``deepspeed.initialize`` (directly, or through the HF
+Trainer) get LoongForge's modules from the config's ``"loongforge"`` block alone, via the installed
+``loongforge_autoload.pth``. Each script runs in its own process (the hook acts at interpreter start), on
+DeepSpeed's CPU accelerator as a single-rank job; the DeepSpeed runs go in parallel to keep the file short.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TIMEOUT_S = 600  # generous: on a loaded CI machine DeepSpeed JIT-builds its CPU comm op on first use
+
+MODEL_SNIPPET = """
+import json, sys
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+torch.manual_seed(0)
+model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def report(module, optimizer):
+    model_params = {id(p) for p in module.parameters()}
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    print("RESULT " + json.dumps({"types": sorted({type(m).__name__ for m in module.modules()}),
+                                  "optimizer_params_in_model": all(id(p) in model_params for p in opt_params)}))
+"""
+
+# a plain DeepSpeed script: its own optimizer, one training step
+DEEPSPEED_SCRIPT = MODEL_SNIPPET + """
+import deepspeed
+
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=sys.argv[1])
+ids = torch.randint(0, 64, (2, 16))
+engine.backward(engine(input_ids=ids, labels=ids).loss)
+engine.step()
+report(engine.module, engine.optimizer)
+"""
+
+# a script launched as `deepspeed script.py --deepspeed --deepspeed_config cfg.json`: the config comes from args,
+# DeepSpeed builds the optimizer from the config and the loader from training_data
+DEEPSPEED_CLI_SCRIPT = MODEL_SNIPPET + """
+import argparse
+import deepspeed
+
+parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+parser.add_argument("--local_rank", type=int, default=0)
+args = parser.parse_args()
+data = [{"input_ids": ids} for ids in torch.randint(0, 64, (16, 16))]
+engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                    training_data=data)
+batch = next(iter(loader))
+engine.backward(engine(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss)
+engine.step()
+print("LOADER", type(loader.batch_sampler).__name__, "OPTIMIZER", type(optimizer).__name__)
+report(engine.module, optimizer)
+"""
+
+# the HF Trainer with --deepspeed: it builds its optimizer before calling deepspeed.initialize (via accelerate)
+TRAINER_SCRIPT = MODEL_SNIPPET + """
+from transformers import Trainer, TrainingArguments
+
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]
+args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_steps=2, per_device_train_batch_size=2,
+                         learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True)
+trainer = Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+report(trainer.model_wrapped.module, trainer.optimizer)
+"""
+
+DS_BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0}}
+HF_BASE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "zero_optimization": {"stage": 0}}
+ENABLED = {"loongforge": {"enabled": True}}
+
+# case -> (loongforge part of the config, extra environment); every case runs DEEPSPEED_SCRIPT
+DS_CASES = {
+    "enabled": (ENABLED, {}),
+    "moe_off": ({"loongforge": {"enabled": True, "moe": {"expert_masked": False}}}, {}),
+    "disabled": ({"loongforge": {"enabled": False}}, {}),
+    "absent": ({}, {}),
+    "env_opt_out": (ENABLED, {"LOONGFORGE_DISABLE": "1"}),
+}
+CLI_CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True},
+                             "sampler": {"n_clusters": 2, "refresh_every": 0}}}
+
+STOCK_TYPES = {"MixtralRMSNorm", "MixtralSparseMoeBlock"}
+OUR_TYPES = {"FusedRMSNorm", "ExpertMaskedMoE"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "LOONGFORGE_DISABLE"}
+    env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.update(extra)
+    return env
+
+
+def _write(directory, name: str, text: str):
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def _result(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the script printed no RESULT line; its output:\n{output[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def autoload_installed():
+    probe = subprocess.run([sys.executable, "-c", "import sys; print(any(type(f).__name__ == 'DeepSpeedImportHook' "
+                            "for f in sys.meta_path), 'torch' in sys.modules)"],
+                           capture_output=True, text=True, env=_env({}), timeout=60)
+    hooked, torch_loaded = probe.stdout.split()
+    if hooked != "True":
+        pytest.skip("loongforge_autoload.pth is not in site-packages: install the package (pip install -e .)")
+    return torch_loaded == "True"
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory, autoload_installed):
+    """Every DS_CASES run and the CLI run, started together; case -> (returncode, stdout + stderr)."""
+    directory = tmp_path_factory.mktemp("config_only")
+    script = _write(directory, "train_ds.py", DEEPSPEED_SCRIPT)
+    procs = {}
+    for case, (block, extra_env) in DS_CASES.items():
+        config = _write(directory, f"{case}.json", json.dumps({**DS_BASE, **block}))
+        procs[case] = subprocess.Popen([sys.executable, str(script), str(config)], cwd=directory, env=_env(extra_env),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli_config = {**CLI_CONFIG, "loongforge": {**CLI_CONFIG["loongforge"], "sampler": {
+        **CLI_CONFIG["loongforge"]["sampler"], "cache_dir": str(directory / "signatures")}}}
+    config = _write(directory, "cli.json", json.dumps(cli_config))
+    script = _write(directory, "train_ds_cli.py", DEEPSPEED_CLI_SCRIPT)
+    procs["cli"] = subprocess.Popen([sys.executable, str(script), "--deepspeed", "--deepspeed_config", str(config)],
+                                    cwd=directory, env=_env({}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+    runs = {}
+    for case, proc in procs.items():
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+        runs[case] = (proc.returncode, output)
+    return runs
+
+
+def _run(ds_runs, case: str) -> tuple[dict, str]:
+    returncode, output = ds_runs[case]
+    assert returncode == 0, f"case {case}: the script failed (exit {returncode}):\n{output[-6000:]}"
+    return _result(output), output
+
+
+def test_autoload_keeps_interpreter_start_light(autoload_installed):
+    assert not autoload_installed, "the .pth autoloader imported torch at interpreter start"
+
+
+def test_enabled_block_replaces_modules(ds_runs):
+    result, output = _run(ds_runs, "enabled")
+    types = set(result["types"])
+    assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
+    assert "[LoongForge] fused RMSNorm: 5 modules" in output  # 2 layers x 2 norms + the final norm
+    assert "[LoongForge] ExpertMaskedMoE: 2 modules" in output
+    # the script's AdamW was built before injection; it must now hold the injected modules' Parameters
+    assert "[LoongForge] client optimizer: 6 parameters remapped" in output
+    assert result["optimizer_params_in_model"]
+
+
+def test_summary_names_what_was_not_replaced(ds_runs):
+    result, output = _run(ds_runs, "moe_off")
+    types = set(result["types"])
+    assert "FusedRMSNorm" in types and "MixtralSparseMoeBlock" in types and "ExpertMaskedMoE" not in types
+    assert "[LoongForge] not replaced: 2 modules" in output
+    assert "MixtralSparseMoeBlock: moe.expert_masked is false" in output
+    assert result["optimizer_params_in_model"]
+
+
+def test_config_from_args_builds_optimizer_and_sampler(ds_runs):
+    result, output = _run(ds_runs, "cli")
+    assert "FusedRMSNorm" in result["types"] and "ExpertMaskedMoE" in result["types"], result["types"]
+    assert "[LoongForge] optimizer: FusedAdamWClip" in output
+    assert "[LoongForge] training data: ExpertAwareSampler" in output
+    assert "LOADER ExpertAwareSampler OPTIMIZER FusedAdamWClip" in output
+    assert result["optimizer_params_in_model"]  # model.parameters() was taken before injection
+
+
+@pytest.mark.parametrize("case", ["disabled", "absent", "env_opt_out"])
+def test_stock_deepspeed_without_enabled_block(ds_runs, case):
+    result, output = _run(ds_runs, case)
+    types = set(result["types"])
+    assert STOCK_TYPES <= types and not OUR_TYPES & types, sorted(types)
+    assert "[LoongForge]" not in output
+
+
+def test_hf_trainer_with_deepspeed_config(tmp_path, autoload_installed):
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("HF Trainer + DeepSpeed needs accelerate (Trainer hands DeepSpeed to accelerate's Accelerator, "
+                    "which calls deepspeed.initialize); accelerate is not installed in this environment")
+    script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
+    config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, **ENABLED}))
+    proc = subprocess.run([sys.executable, str(script), str(config), str(tmp_path / "out")], cwd=tmp_path,
+                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    result = _result(output)
+    types = set(result["types"])
+    assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
+    assert "[LoongForge] fused RMSNorm: 5 modules" in output
+    # the Trainer builds its optimizer before deepspeed.initialize: without the remap it would train stale copies
+    assert "[LoongForge] client optimizer: 6 parameters remapped" in output
+    assert result["optimizer_params_in_model"]
+
+
+def test_library_entry_points_are_lazy():
+    code = textwrap.dedent("""
+        import sys, ds_loongforge
+        assert "torch" not in sys.modules
+        from ds_loongforge.integrations.inject import inject
+        from ds_loongforge.integrations.deepspeed_hook import initialize
+        assert ds_loongforge.inject is inject and ds_loongforge.initialize is initialize
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_env({"LOONGFORGE_DISABLE": "1"}))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
