@@ -136,61 +136,6 @@ def build_model(name: str, vocab_size: int, seq_len: int, aux_loss_coef: float, 
     return AutoModelForCausalLM.from_config(config)
 
 
-def inject_loongforge(model: nn.Module, ds_config: dict) -> None:
-    """ds_loongforge's injection; a minimal Mixtral-only replacement while that module is not importable."""
-    try:
-        from ds_loongforge.integrations.inject import inject
-    except ImportError as err:
-        logger.warning("[LoongForge] ds_loongforge.integrations.inject is not importable (%s); using "
-                       "launch/train.py's minimal Mixtral replacement (MoE blocks and RMSNorms)", err)
-        _minimal_inject(model, ds_config)
-        return
-    inject(model, ds_config)  # logs one line per replaced kind and what was not replaced
-
-
-def _minimal_inject(model: nn.Module, ds_config: dict) -> None:
-    from ds_loongforge.config import parse_config
-    from ds_loongforge.modules import ExpertMaskedMoE, FusedRMSNorm
-
-    block = parse_config(ds_config)
-    moe_kwargs = block.moe.layer_kwargs()
-    ep_size = block.moe.ep_size
-    replaced = {"moe": 0, "rmsnorm": 0}
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            kind = type(child).__name__
-            if kind == "MixtralSparseMoeBlock" and block.moe.expert_masked:
-                experts = child.experts
-                num_experts, inter = experts.gate_up_proj.shape[0], experts.down_proj.shape[2]
-                hidden = experts.gate_up_proj.shape[2]
-                common = dict(jitter_noise=child.jitter_noise, **moe_kwargs)
-                if ep_size > 1:
-                    from ds_loongforge.modules.moe_deepspeed import DeepSpeedExpertMaskedMoE
-
-                    moe = DeepSpeedExpertMaskedMoE(hidden, inter, num_experts, child.top_k, ep_size=ep_size,
-                                                   **common)
-                    rank = dist.get_rank() if dist.is_initialized() else 0
-                    local = num_experts // ep_size
-                    lo = (rank % ep_size) * local  # DeepSpeed's expert-parallel groups are consecutive ranks
-                    state = {"gate.weight": child.gate.weight.detach(),
-                             "experts.gate_up_proj": experts.gate_up_proj.detach()[lo:lo + local],
-                             "experts.down_proj": experts.down_proj.detach()[lo:lo + local]}
-                else:
-                    moe = ExpertMaskedMoE(hidden, inter, num_experts, child.top_k, **common)
-                    state = child.state_dict()
-                moe.load_state_dict(state)
-                setattr(parent, child_name, moe.to(experts.gate_up_proj.dtype))
-                replaced["moe"] += 1
-            elif kind.endswith("RMSNorm") and block.fused_kernels.rmsnorm:
-                setattr(parent, child_name, FusedRMSNorm.from_hf(child))
-                replaced["rmsnorm"] += 1
-    logger.info("[LoongForge] ExpertMaskedMoE: %d modules (ep_size %d)", replaced["moe"], ep_size)
-    logger.info("[LoongForge] fused RMSNorm: %d modules", replaced["rmsnorm"])
-    if not replaced["moe"]:
-        logger.warning("[LoongForge] no MixtralSparseMoeBlock found in %s: the minimal replacement knows Mixtral "
-                       "only", type(model).__name__)
-
-
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     from ds_loongforge.modules import ExpertMaskedMoE
 
@@ -354,7 +299,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args.model, tokenizer.vocab_size, args.seq_len, block.moe.aux_loss_coef, stock=not use_lf)
     if use_lf:
-        inject_loongforge(model, ds_config)
+        from ds_loongforge.integrations.inject import inject
+
+        inject(model, ds_config)  # logs one line per replaced kind and what was not replaced
     layers = moe_layers(model)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %s (%s), %.2fM parameters, LoongForge %s", args.model, type(model).__name__,
