@@ -399,15 +399,13 @@ class ExpertMaskedMoE(nn.Module):
             self.aux_loss = self._aux_loss(logits_TE, probs_TE, tokens_per_expert_E, num_tokens)
         return out_TH.view(shape)
 
-    def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor, lo: int = 0,
-                 hi: int | None = None) -> torch.Tensor:
-        """Local experts lo..hi-1 on expert-major rows (group sizes tokens_per_expert_E)."""
+    def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor, gate_up: torch.Tensor | None = None,
+                 down: torch.Tensor | None = None) -> torch.Tensor:
+        """The local experts (or the chunk of them whose stacked weights are given) on expert-major rows,
+        group sizes tokens_per_expert_E."""
         counts = tokens_per_expert_E.tolist() if self._use_loop(x_PH) else None  # loop: one host sync
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if lo != 0 or (hi is not None and hi != gate_up.shape[0]):
-            # a chunk of the experts (expert parallel); the whole stack is used unsliced, since slicing a
-            # parameter costs a zero-filled full-size gradient plus a copy in backward (~2 ms at Mixtral size)
-            gate_up, down = gate_up[lo:hi], down[lo:hi]
+        gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
+        down = self.experts.down_proj if down is None else down
         gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
         return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts)
@@ -482,6 +480,13 @@ class ExpertMaskedMoE(nn.Module):
                                                recv_splits[c], send_splits[c], self.ep_group))
             s_off, r_off = s_off + n_send, r_off + n_recv
 
+        # one split of each stacked weight into the chunks' views: its backward concatenates the chunks'
+        # gradients once, where a slice per chunk would zero-fill and copy a full-size gradient per chunk
+        if len(bounds) == 1:
+            gate_up_C, down_C = [self.experts.gate_up_proj], [self.experts.down_proj]
+        else:
+            sizes = [hi - lo for lo, hi in bounds]
+            gate_up_C, down_C = self.experts.gate_up_proj.split(sizes), self.experts.down_proj.split(sizes)
         returned = []
         for c, (lo, hi) in enumerate(bounds):
             x_recv = all_to_all_wait(*dispatched[c])
@@ -490,7 +495,7 @@ class ExpertMaskedMoE(nn.Module):
                 torch.arange(lo, hi, device=x_PH.device).repeat(ep), recv_rl.reshape(-1),
                 output_size=x_recv.shape[0])  # output_size known on the host: no sync
             order = torch.argsort(expert_of_row, stable=True)
-            y_local = self._experts(x_recv[order], recv_rl.sum(0), lo, hi)
+            y_local = self._experts(x_recv[order], recv_rl.sum(0), gate_up_C[c], down_C[c])
             y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
             returned.append(all_to_all_start(y_recv, y_recv.new_empty(sum(send_splits[c]), y_recv.shape[1]),
                                              send_splits[c], recv_splits[c], self.ep_group))
