@@ -56,10 +56,12 @@ class SamplerConfig(_Section):
                             "the number of samples.")
     refresh_every: int = Field(1000, ge=0, description="Recompute signatures from the current router weights every "
                                "this many batches, in a background thread on CPU copies of the weights (0 = never).")
-    signature: Literal["router", "router_topk", "probe"] = Field(
+    signature: Literal["router", "router_topk", "probe", "forward"] = Field(
         "router", description="router: mean over a sample's tokens of softmax(embedding @ router.T) per MoE layer. "
         "router_topk: expected top-k counts from the same logits. probe: a small MLP fitted on routing observed "
-        "in forwards of a few batches.")
+        "in forwards of a few batches. forward: each sample's actual top-k routing in a no-grad forward of the "
+        "model over the whole dataset (most accurate; costs one forward pass over the dataset per refresh, which "
+        "on the GPU competes with training: use a larger refresh_every).")
     pad_to_multiple_of: int = Field(128, ge=1, description="The collator pads each batch's length up to a multiple "
                                     "of this.")
     seed: int = Field(0, description="Shuffling and clustering seed (the same on every rank).")

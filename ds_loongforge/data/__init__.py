@@ -19,7 +19,8 @@ from ds_loongforge.data.collator import PadCollator
 from ds_loongforge.data.sampler import BucketPlan, ExpertAwareSampler, batch_loads, cluster_signatures, max_load_cv
 from ds_loongforge.data.signatures import (SIGNATURE_KINDS, RouterSignatures, RoutingProbe, RoutingWeights,
                                            SignatureCache, SignatureSet, TokenIds, collect_observed_routing,
-                                           dataset_token_ids, router_table, routing_weights, signatures_from_table)
+                                           dataset_token_ids, forward_signatures, observed_routing, router_table,
+                                           routing_weights, signatures_from_table)
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -72,7 +73,7 @@ def build_dataloader(dataset, config: Any, model: nn.Module, batch_size: int, ra
     token_ids = dataset_token_ids(dataset, column)
     probe = fit_probe(model, dataset, collate_fn, seed=cfg.seed) if cfg.signature == "probe" else None
     source = RouterSignatures(model, token_ids, kind=cfg.signature, probe=probe, cache=SignatureCache(cfg.cache_dir),
-                              device=signature_device)
+                              device=signature_device, pad_token_id=pad_token_id)
     sampler = ExpertAwareSampler(source, batch_size, n_clusters=cfg.n_clusters, num_replicas=world_size, rank=rank,
                                  shuffle=shuffle, seed=cfg.seed, drop_last=drop_last, refresh_every=cfg.refresh_every)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
@@ -81,4 +82,5 @@ def build_dataloader(dataset, config: Any, model: nn.Module, batch_size: int, ra
 __all__ = ["ExpertAwareSampler", "BucketPlan", "cluster_signatures", "batch_loads", "max_load_cv", "PadCollator",
            "SIGNATURE_KINDS", "RouterSignatures", "RoutingProbe", "RoutingWeights", "SignatureCache",
            "SignatureSet", "TokenIds", "collect_observed_routing", "dataset_token_ids", "router_table",
-           "routing_weights", "signatures_from_table", "fit_probe", "build_dataloader"]
+           "routing_weights", "signatures_from_table", "forward_signatures", "observed_routing", "fit_probe",
+           "build_dataloader"]

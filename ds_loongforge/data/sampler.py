@@ -17,7 +17,8 @@ given the seed and the epoch:
 
 On text with a content-dependent router (benchmarks/bench_sampler.py) the coefficient of variation of the
 per-batch peak expert load falls by ~75% when signatures are the exact loads, and by what the signature
-predicts of them otherwise (router < probe).
+predicts of them otherwise (router < probe < forward; "forward" measures each sample's routing in a forward
+pass over the dataset, so it is exact for the snapshot's weights and drifts only between refreshes).
 
 ``drop_last=False`` pads the epoch (like DistributedSampler) by repeating samples, so every rank gets the
 same number of full batches; ``drop_last=True`` leaves out the samples the last full batches do not take.
@@ -25,11 +26,12 @@ same number of full batches; ``drop_last=True`` leaves out the samples the last 
 Refresh (``refresh_every`` > 0, with a signature ``source``): routing drifts while the model trains. At
 every ``refresh_every``-th batch this rank yields, the sampler (1) applies the signatures computed since
 the previous boundary, re-bucketing the samples not yet drawn in this epoch, and (2) takes a CPU copy of
-the router weights (``source.snapshot()``, in the iterating thread) and starts recomputing signatures and
+the router weights (all weights for the "forward" signature; ``source.snapshot()``, in the iterating thread) and starts recomputing signatures and
 clusters from that copy in a background thread. The device is never waited on beyond that copy, and the
 result is applied at a fixed batch index, so the batch sequence does not depend on thread timing: all
 ranks (and a resumed run) draw the same batches. If the computation is not done by the next boundary the
-sampler waits for it there.
+sampler waits for it there. A "forward" refresh is one forward pass over the whole dataset: on a GPU it
+competes with training, so give it a refresh_every several times larger than the table-based kinds need.
 
 ``state_dict()`` holds the epoch, the batches yielded, the bucket plans applied in this epoch (with the
 batch each was applied at) and the pending refresh result, so ``load_state_dict`` + iterating continues

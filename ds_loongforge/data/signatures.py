@@ -3,8 +3,8 @@
 Legend (shape suffixes): V vocabulary, H hidden, E experts per MoE layer, L MoE layers, S = L*E signature
 entries (layer-major), N samples, T tokens.
 
-A signature is computed per vocabulary token first (a table_VS), then averaged over each sample's tokens,
-so the pre-scan is one batched gather over the token ids (no model forward):
+For the first three kinds a signature is computed per vocabulary token first (a table_VS), then averaged
+over each sample's tokens, so the pre-scan is one batched gather over the token ids (no model forward):
 
 - ``"router"`` (default): softmax(rms_norm(embedding[v]) @ router_l.T) for every MoE layer l. The RMS
   normalization stands for the pre-norm the layer applies (its learned scale is ignored); the residual
@@ -14,24 +14,35 @@ so the pre-scan is one batched gather over the token ids (no model forward):
 - ``"probe"``: a small MLP, fitted on routing observed in real forwards (:func:`collect_observed_routing`),
   maps the embedding of each vocabulary token to its per-layer routing distribution; it learns what the
   deeper layers actually do with each token.
+- ``"forward"``: no table; a batched no-grad forward of the model itself over the whole dataset (on a private
+  copy of the model loaded with a snapshot of all its parameters and buffers, see :func:`forward_signatures`),
+  recording each MoE layer's actual top-k routing (1/k per chosen expert, the recording code of
+  :func:`collect_observed_routing`) and averaging it over each sample's tokens: the sample's actual load in
+  context, for the snapshot's weights. Cost: one forward pass over the dataset per (re)computation, plus a
+  CPU copy and SHA-256 of all parameters per snapshot; run in the sampler's background refresh on a GPU it
+  competes with training for the device, so use a refresh_every several times larger than for the other
+  kinds (e.g. so that a refresh costs < 1% of the steps between refreshes).
 
-A sample's signature is the mean of its tokens' rows (each entry of a layer block sums to 1); the sampler
-multiplies it by the sample's token count to get the sample's expected load.
+A sample's signature is the mean of its tokens' rows (of their observed routing, for ``"forward"``); each
+layer block sums to 1; the sampler multiplies it by the sample's token count to get the sample's expected
+load.
 
 Results are cached on disk under a key made of the dataset fingerprint (HF ``datasets`` ``_fingerprint``,
 or a SHA-256 of the token ids for other datasets), a SHA-256 of the embedding and router weights (and of
-the probe), and the signature settings: a changed router is a cache miss.
+the probe; of all parameters and buffers for ``"forward"``), and the signature settings: a changed router
+(any changed weight, for ``"forward"``) is a cache miss.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -39,7 +50,7 @@ from torch import nn
 
 logger = logging.getLogger("ds_loongforge")
 
-SIGNATURE_KINDS = ("router", "router_topk", "probe")
+SIGNATURE_KINDS = ("router", "router_topk", "probe", "forward")
 DEFAULT_CACHE_DIR = Path(os.environ.get("LOONGFORGE_CACHE", Path.home() / ".cache" / "ds_loongforge")) / "signatures"
 # tokens gathered per chunk of the pre-scan: bounds its memory to ~CHUNK_TOKENS * S * 4 bytes
 CHUNK_TOKENS = 1 << 22
@@ -135,11 +146,13 @@ def _is_router(module: nn.Module, hidden: int) -> bool:
 
 @dataclass
 class RoutingWeights:
-    """CPU float32 copies of the weights that routing signatures read (a snapshot: training may go on)."""
+    """CPU float32 copies of the weights that routing signatures read (a snapshot: training may go on).
+    ``state``: for the ``"forward"`` kind, a CPU copy of the model's whole state_dict (dtypes kept)."""
 
     embedding_VH: torch.Tensor
     routers_LEH: list[torch.Tensor]
     top_k: int
+    state: dict[str, torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -151,6 +164,9 @@ class RoutingWeights:
             digest.update(str(tuple(t.shape)).encode())
             digest.update(t.contiguous().numpy().tobytes())
         digest.update(f"k={self.top_k}".encode())
+        for name, t in (self.state or {}).items():  # every parameter and buffer: anything may move routing
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
 
@@ -246,38 +262,83 @@ class RoutingProbe(nn.Module):
         return digest.hexdigest()
 
 
-@torch.no_grad()
-def collect_observed_routing(model: nn.Module, batches: Iterable[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``model(input_ids=..., attention_mask=...)`` (no grad) on ``batches`` (collator outputs) and record,
-    for every real token, its top-k experts in every MoE layer as 1/k entries: (token_ids_T, targets_TS)."""
+def observed_routing(model: nn.Module, batches: Iterable[dict]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``model(input_ids=..., attention_mask=...)`` (no grad, eval mode) on each of ``batches`` (collator
+    outputs) and yield, per batch, its real tokens (mask != 0, row-major) and their top-k experts in every
+    MoE layer as 1/k entries: (token_ids_T, targets_TS), recorded by forward hooks on the routers."""
     hidden = routing_weights(model).embedding_VH.shape[1]
     routers = [m for m in model.modules() if _is_router(m, hidden)]
+    num_experts = routers[0].weight.shape[0]
     seen: list[list[torch.Tensor]] = [[] for _ in routers]
     hooks = [r.register_forward_hook(lambda mod, inp, out, i=i: seen[i].append(out[-1].detach().cpu()))
              for i, r in enumerate(routers)]
     device = next(model.parameters()).device
-    tokens, masks = [], []
     was_training = model.training
     model.eval()
     try:
         for batch in batches:
             ids = batch["input_ids"]
             mask = batch.get("attention_mask", torch.ones_like(ids))
-            model(input_ids=ids.to(device), attention_mask=mask.to(device))
-            tokens.append(ids.reshape(-1))
-            masks.append(mask.reshape(-1).bool())
+            with torch.no_grad():
+                model(input_ids=ids.to(device), attention_mask=mask.to(device))
+            keep_T = mask.reshape(-1).bool().cpu()
+            blocks = []
+            for layer in seen:
+                ids_TK = torch.cat(layer)
+                layer.clear()
+                k = ids_TK.shape[1]
+                onehot = torch.zeros(ids_TK.shape[0], num_experts).scatter_(1, ids_TK, 1.0 / k)
+                blocks.append(onehot[keep_T])
+            yield ids.reshape(-1).cpu()[keep_T], torch.cat(blocks, dim=1)
     finally:
         for h in hooks:
             h.remove()
         model.train(was_training)
-    keep_T = torch.cat(masks)
-    blocks = []
-    for layer in seen:
-        ids_TK = torch.cat(layer)
-        k = ids_TK.shape[1]
-        onehot = torch.zeros(ids_TK.shape[0], routers[0].weight.shape[0]).scatter_(1, ids_TK, 1.0 / k)
-        blocks.append(onehot[keep_T])
-    return torch.cat(tokens)[keep_T], torch.cat(blocks, dim=1)
+
+
+def collect_observed_routing(model: nn.Module, batches: Iterable[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`observed_routing` over all ``batches``, concatenated: (token_ids_T, targets_TS)."""
+    tokens, targets = zip(*observed_routing(model, batches))
+    return torch.cat(tokens), torch.cat(targets)
+
+
+def forward_signatures(model: nn.Module, token_ids: TokenIds, batch_size: int = 32, pad_token_id: int = 0
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The ``"forward"`` kind: every sample's actual routing in a no-grad forward of ``model`` (on its device),
+    samples batched ``batch_size`` at a time in order of length (right-padded with ``pad_token_id``, with an
+    attention mask), each sample's top-k counts per (layer, expert) divided by k and its token count:
+    (signatures_NS float32, num_tokens_N). Empty samples get zero rows."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"forward_signatures: batch_size must be an integer >= 1, got {batch_size!r}")
+    lengths = token_ids.lengths_N
+    order = np.argsort(lengths, kind="stable")
+    order = order[lengths[order] > 0]
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+    def batches():
+        for chunk in chunks:
+            width = int(lengths[chunk].max())
+            ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, :lengths[i]] = torch.from_numpy(token_ids.sample(int(i)))
+                mask[row, :lengths[i]] = 1
+            yield {"input_ids": ids, "attention_mask": mask}
+
+    out = None
+    for b, (_, targets_TS) in enumerate(observed_routing(model, batches())):  # runs to the end: hooks removed
+        chunk = chunks[b]
+        if out is None:
+            out = np.zeros((len(token_ids), targets_TS.shape[1]), dtype=np.float32)
+        counts = torch.from_numpy(lengths[chunk])
+        segment = torch.repeat_interleave(torch.arange(len(chunk)), counts)
+        sums = torch.zeros(len(chunk), targets_TS.shape[1], dtype=torch.float64)
+        sums.index_add_(0, segment, targets_TS.double())
+        out[chunk] = (sums / counts[:, None].double()).numpy()
+    if out is None:  # no non-empty sample: one layer block per router, all zero
+        weights = routing_weights(model)
+        out = np.zeros((len(token_ids), len(weights.routers_LEH) * weights.num_experts), dtype=np.float32)
+    return out, lengths.astype(np.int64)
 
 
 def signatures_from_table(token_ids: TokenIds, table_VS: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -331,38 +392,92 @@ class SignatureCache:
         os.replace(tmp, self.path(sigs.key))
 
 
+def _copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, where tensors left by the last training forward in module attributes (an aux
+    loss, routing statistics: non-leaf tensors, which deepcopy refuses) are copied detached."""
+    memo: dict[int, Any] = {}
+
+    def scan(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.grad_fn is not None:
+                memo[id(value)] = value.detach().clone()
+        elif depth < 4 and not isinstance(value, nn.Module):
+            if isinstance(value, dict):
+                items = value.values()
+            elif isinstance(value, (list, tuple, set)):
+                items = value
+            elif hasattr(value, "__dict__") and not isinstance(value, type):
+                items = vars(value).values()
+            else:
+                return
+            for item in items:
+                scan(item, depth + 1)
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, value in vars(module).items():
+                if name not in ("_parameters", "_buffers", "_modules"):
+                    scan(value, 0)
+        return copy.deepcopy(model, memo)
+
+
 class RouterSignatures:
     """Signature source for :class:`ExpertAwareSampler`: ``snapshot()`` copies the model's routing weights to
     the CPU (call it where the model may be read, e.g. between steps); ``compute(snapshot)`` touches only
     that copy, so it can run in a background thread while training goes on. ``kind`` and ``probe`` as in
-    the module docstring; ``device`` runs the pre-scan gather there (default CPU)."""
+    the module docstring; ``device`` runs the pre-scan gather there (default CPU).
+
+    ``kind="forward"``: ``snapshot()`` also copies the model's whole state_dict to the CPU, and ``compute``
+    loads it into a private copy of the model (made once, by ``copy.deepcopy`` in the first ``snapshot()``,
+    moved to ``device``) and runs :func:`forward_signatures` there, ``forward_batch_size`` samples per
+    forward. Memory: one more copy of the model on ``device`` and one on the CPU. The model must run as a
+    whole in this process (``model(input_ids=, attention_mask=)``); expert-parallel shards are not supported."""
 
     def __init__(self, model: nn.Module, token_ids: TokenIds, *, kind: str = "router",
-                 probe: RoutingProbe | None = None, cache: SignatureCache | None = None, device: str = "cpu"):
+                 probe: RoutingProbe | None = None, cache: SignatureCache | None = None, device: str = "cpu",
+                 forward_batch_size: int = 32, pad_token_id: int = 0):
         if kind not in SIGNATURE_KINDS:
             raise ValueError(f"signature must be one of {SIGNATURE_KINDS}, got {kind!r}")
         if kind == "probe" and probe is None:
             raise ValueError("signature='probe' needs a fitted RoutingProbe (see collect_observed_routing)")
         self.model, self.token_ids, self.kind, self.probe = model, token_ids, kind, probe
         self.cache, self.device = cache, device
+        self.forward_batch_size, self.pad_token_id = forward_batch_size, pad_token_id
+        self._worker: nn.Module | None = None  # the "forward" kind's private copy of the model
 
     def snapshot(self) -> RoutingWeights:
-        return routing_weights(self.model)
+        weights = routing_weights(self.model)
+        if self.kind == "forward":
+            if self._worker is None:
+                self._worker = _copy_model(self.model).to(self.device).eval()
+                self._worker.requires_grad_(False)
+                for param in self._worker.parameters():
+                    param.grad = None
+            with torch.no_grad():
+                weights.state = {name: t.detach().to("cpu", copy=True)
+                                 for name, t in self.model.state_dict().items()}
+        return weights
 
     def compute(self, weights: RoutingWeights) -> SignatureSet:
         probe_fp = self.probe.fingerprint() if self.kind == "probe" else ""
+        if self.kind == "forward" and weights.state is None:
+            raise ValueError("signature='forward' needs a snapshot with the model state (this source's snapshot())")
+        settings = f"bs={self.forward_batch_size},pad={self.pad_token_id}" if self.kind == "forward" else ""
         key = hashlib.sha256("|".join([self.token_ids.fingerprint, weights.fingerprint(), self.kind,
-                                       probe_fp, "v1"]).encode()).hexdigest()[:32]
+                                       probe_fp, settings, "v1"]).encode()).hexdigest()[:32]
         if self.cache is not None:
             hit = self.cache.get(key)
             if hit is not None:
                 logger.info("[LoongForge] routing signatures: cache hit %s", self.cache.path(key))
                 return hit
-        if self.kind == "probe":
-            table_VS = self.probe.table(weights.embedding_VH)
+        if self.kind == "forward":
+            self._worker.load_state_dict(weights.state)
+            signatures, num_tokens = forward_signatures(self._worker, self.token_ids, self.forward_batch_size,
+                                                        self.pad_token_id)
         else:
-            table_VS = router_table(weights, self.kind)
-        signatures, num_tokens = signatures_from_table(self.token_ids, table_VS.to(self.device))
+            table_VS = (self.probe.table(weights.embedding_VH) if self.kind == "probe"
+                        else router_table(weights, self.kind))
+            signatures, num_tokens = signatures_from_table(self.token_ids, table_VS.to(self.device))
         sigs = SignatureSet(signatures, num_tokens, weights.num_experts, key)
         if self.cache is not None:
             self.cache.put(sigs)
@@ -374,4 +489,4 @@ class RouterSignatures:
 
 __all__ = ["SIGNATURE_KINDS", "TokenIds", "SignatureSet", "RoutingWeights", "RoutingProbe", "RouterSignatures",
            "SignatureCache", "dataset_token_ids", "routing_weights", "router_table", "collect_observed_routing",
-           "signatures_from_table"]
+           "observed_routing", "forward_signatures", "signatures_from_table"]

@@ -289,3 +289,57 @@ def test_probe_learns_observed_routing(tmp_path):
     sigs = RouterSignatures(model, dataset_token_ids(ListDataset(rows)), kind="probe", probe=probe,
                             cache=SignatureCache(tmp_path))()
     assert sigs.signatures_NS.shape == (64, 8)
+
+
+class CausalTinyMoE(TinyMoE):
+    """TinyMoE with a causal running mean between the MoE layers: routing depends on the preceding tokens."""
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        for moe in self.moes:
+            h = h + moe(h)
+            h = h + h.cumsum(1) / torch.arange(1, h.shape[1] + 1)[:, None]
+        return h
+
+
+def test_forward_signature_is_the_routing_of_a_direct_forward(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = CausalTinyMoE()
+    rows = random_rows(12, seed=3)
+    ids = dataset_token_ids(ListDataset(rows))
+    cache = SignatureCache(tmp_path)
+    source = RouterSignatures(model, ids, kind="forward", cache=cache, forward_batch_size=5)
+    sigs = source()
+    assert sigs.signatures_NS.shape == (12, 8)
+    np.testing.assert_array_equal(sigs.num_tokens_N, [len(r) for r in rows])
+    for i in (0, 4, 11):  # each sample alone, no padding: top-k counts per (layer, expert) / (k * tokens)
+        model.eval()
+        with torch.no_grad():
+            h = model.embed(torch.tensor([rows[i]]))
+            expected = []
+            for moe in model.moes:
+                ids_TK = moe.gate(h.reshape(-1, h.shape[-1]))[-1]
+                expected.append(torch.bincount(ids_TK.reshape(-1), minlength=4).double() / (2 * len(rows[i])))
+                h = h + moe(h)
+                h = h + h.cumsum(1) / torch.arange(1, h.shape[1] + 1)[:, None]
+        np.testing.assert_allclose(sigs.signatures_NS[i], torch.cat(expected).numpy(), atol=1e-6)
+    assert not np.allclose(sigs.signatures_NS, RouterSignatures(model, ids, kind="router_topk")().signatures_NS)
+    # cache: a hit without a forward; any changed weight (here not a router) is a miss
+    calls = []
+    real = signatures_mod.forward_signatures
+    monkeypatch.setattr(signatures_mod, "forward_signatures", lambda *a: calls.append(1) or real(*a))
+    again = source()
+    assert again.key == sigs.key and not calls
+    np.testing.assert_array_equal(again.signatures_NS, sigs.signatures_NS)
+    with torch.no_grad():
+        model.moes[0].experts.down_proj.mul_(3.0)
+    changed = source()
+    assert changed.key != sigs.key and calls == [1]
+    assert not np.allclose(changed.signatures_NS, sigs.signatures_NS)
+    # through the sampler (refresh path) and the config
+    sampler = ExpertAwareSampler(source, 4, n_clusters=2, refresh_every=2)
+    assert len(list(sampler)) == 3
+    sampler.close()
+    loader = build_dataloader(ListDataset(rows), {"loongforge": {"sampler": {"signature": "forward", "n_clusters": 2,
+                                                                           "cache_dir": str(tmp_path)}}}, model, 4)
+    assert loader.batch_sampler.source.kind == "forward" and len(list(loader)) == 3
