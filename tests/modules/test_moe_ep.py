@@ -111,6 +111,9 @@ def _bad_divisor_worker(rank, port, out_dir):
             with open(f"{out_dir}/message.txt", "w") as f:
                 f.write(str(err))
     finally:
+        # no collective ran: without this barrier one rank could tear its connections down while the other
+        # was still pairing in init_process_group (CI once: "Gloo connectFullMesh failed ... closed by peer")
+        dist.barrier()
         dist.destroy_process_group()
 
 
