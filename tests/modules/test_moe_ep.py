@@ -156,6 +156,7 @@ def test_receive_buffer_grows_exactly_and_stays_put_after_warmup(tmp_path):
     mp.spawn(_buffer_worker, args=(_free_port(), seed, str(tmp_path)), nprocs=2)
     full = _full_model(seed, skew=False)
     xs, dys = _inputs(2, [40, 40], seed)
+    grew_any, fills = False, []
     for rank in range(2):
         res = torch.load(tmp_path / f"buffers{rank}.pt")
         x = xs[rank].clone().requires_grad_()
@@ -166,12 +167,20 @@ def test_receive_buffer_grows_exactly_and_stays_put_after_warmup(tmp_path):
                 torch.testing.assert_close(y_ep, y.detach(), rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(dx_ep, dx, rtol=1e-5, atol=1e-6)
         tiny = res["tiny"]
-        assert len(tiny["warnings"]) == 1 and "receive buffer grew from" in tiny["warnings"][0]
+        # the tiny buffer starts at max(1, ceil(0.01 * 80 pairs / 2 ranks)) = 1 row; a rank that received more
+        # grew (one warning), one that received at most a row (routing can send every token to the other
+        # rank's experts) did not
+        grew = tiny["peak"] > 1
+        grew_any = grew_any or grew
+        assert len(tiny["warnings"]) == int(grew), tiny["warnings"]
+        assert not grew or "receive buffer grew from" in tiny["warnings"][0]
         assert tiny["capacity"] >= tiny["peak"]
         steady = res["steady"]
         assert steady["warnings"] == [] and steady["after_warmup"] == 0
         assert steady["capacity"] >= steady["peak"]
-        assert 0 < tiny["fill"] <= 1 and 0 < steady["fill"] <= 1   # received rows / buffer rows
+        assert 0 <= tiny["fill"] <= 1 and 0 <= steady["fill"] <= 1   # received rows / buffer rows
+        fills.append(steady["fill"])
+    assert grew_any and max(fills) > 0   # 160 pairs in all: some rank received more than one row
 
 
 def test_receive_buffer_rejects_bad_settings():
