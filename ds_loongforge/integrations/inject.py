@@ -126,33 +126,24 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         kind = KIND_MOE_EP if config.moe.ep_size > 1 else KIND_MOE
         report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
-    for path, module in _snapshot(model):
-        preset = mlp_types.get(type(module))
-        if preset is None:
-            continue
-        handled.add(path)
-        if not config.fused_kernels.swiglu:
-            report.not_replaced.append((path, f"{type(module).__name__}: fused_kernels.swiglu is false"))
-            continue
-        reason = _swiglu_problem(module)
-        if reason:
-            report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
-            continue
-        _swap(model, path, module, FusedSwiGLUMLP.from_hf(module, impl=OP_IMPL).train(module.training))
-        families[preset.name] += 1
-        report.replaced[KIND_MLP] = report.replaced.get(KIND_MLP, 0) + 1
-
-    for path, module in _snapshot(model):
-        preset = norm_types.get(type(module))
-        if preset is None:
-            continue
-        handled.add(path)
-        if not config.fused_kernels.rmsnorm:
-            report.not_replaced.append((path, f"{type(module).__name__}: fused_kernels.rmsnorm is false"))
-            continue
-        _swap(model, path, module, FusedRMSNorm.from_hf(module, impl=OP_IMPL).train(module.training))
-        families[preset.name] += 1
-        report.replaced[KIND_RMSNORM] = report.replaced.get(KIND_RMSNORM, 0) + 1
+    # then the dense pieces: (classes, switch name, switch, why a module cannot be replaced, our class, kind)
+    for types, switch, on, problem, ours_cls, kind in (
+            (mlp_types, "fused_kernels.swiglu", config.fused_kernels.swiglu, _swiglu_problem, FusedSwiGLUMLP,
+             KIND_MLP),
+            (norm_types, "fused_kernels.rmsnorm", config.fused_kernels.rmsnorm, lambda m: None, FusedRMSNorm,
+             KIND_RMSNORM)):
+        for path, module in _snapshot(model):
+            preset = types.get(type(module))
+            if preset is None:
+                continue
+            handled.add(path)
+            reason = f"{switch} is false" if not on else problem(module)
+            if reason:
+                report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
+                continue
+            _swap(model, path, module, ours_cls.from_hf(module, impl=OP_IMPL).train(module.training))
+            families[preset.name] += 1
+            report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
     known = ", ".join(p.name for p, _ in active)
     for path, module in _snapshot(model):

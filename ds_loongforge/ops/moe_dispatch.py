@@ -151,6 +151,14 @@ class _MoEUnpermuteFunction(torch.autograd.Function):
         return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, None
 
 
+def _kernel(op: str, rows: torch.Tensor, impl: str):
+    """The compiled module for ``rows``' device, or None for the reference (auto with a dtype the kernels
+    do not take, e.g. fp64, or a build that failed)."""
+    if impl == "auto" and rows.dtype not in _KERNEL_DTYPES:
+        return None
+    return kernel_for(op, _BUILDERS, rows.device.type, impl)
+
+
 def moe_permute(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """``x_PH[p] = x_TH[order_P[p] // K]``: each token's row once per chosen expert, in expert-major order.
 
@@ -158,9 +166,7 @@ def moe_permute(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor
     tensor's device, reference if it cannot be built), "cuda", "cpu", or "reference".
     """
     _check_permute_args(x_TH, order_P, slot_TK)
-    kernel = None
-    if impl != "auto" or x_TH.dtype in _KERNEL_DTYPES:
-        kernel = kernel_for("moe_permute", _BUILDERS, x_TH.device.type, impl)
+    kernel = _kernel("moe_permute", x_TH, impl)
     if kernel is None:
         return moe_permute_reference(x_TH, order_P, slot_TK)
     return _MoEPermuteFunction.apply(x_TH, slot_TK, kernel)
@@ -174,9 +180,7 @@ def moe_unpermute(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.T
     :func:`moe_permute`.
     """
     _check_unpermute_args(y_PH, slot_TK, weights_TK)
-    kernel = None
-    if impl != "auto" or y_PH.dtype in _KERNEL_DTYPES:
-        kernel = kernel_for("moe_unpermute", _BUILDERS, y_PH.device.type, impl)
+    kernel = _kernel("moe_unpermute", y_PH, impl)
     if kernel is None:
         return moe_unpermute_reference(y_PH, slot_TK, weights_TK)
     return _MoEUnpermuteFunction.apply(y_PH, slot_TK, weights_TK.float().contiguous(), kernel)

@@ -261,6 +261,10 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(moe_permute_checks(129, 2880, 8, 64, d, device, impl)))
             checks.append(lambda d=dtype: _merge(moe_unpermute_checks(129, 2880, 8, 64, d, device, impl)))
+    elif builder_name.startswith("lf_fused_adamw_clip"):
+        from ds_loongforge.ops.adamw import verify_checks  # the optimizer step's checks live beside it
+
+        checks.extend(verify_checks(builder_name, device))
     return checks
 
 

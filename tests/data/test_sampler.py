@@ -245,7 +245,7 @@ def test_collator_pads_to_multiple_with_masks():
 
 
 def test_hf_dataset_input_matches_torch_dataset(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     rows = random_rows(96, seed=5)
     hf = datasets.Dataset.from_dict({"input_ids": rows, "text": [str(len(r)) for r in rows]})
     hf_ids, torch_ids = dataset_token_ids(hf), dataset_token_ids(ListDataset(rows))

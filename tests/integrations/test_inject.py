@@ -279,14 +279,11 @@ def test_expert_parallel_two_ranks(tmp_path):
     """ep_size=2 over gloo: each rank holds its half of the experts, copied from the model; logits and the
     router aux loss equal the stock model's on every rank, and a rank's expert gradients are the stock
     gradients of those experts summed over both ranks' tokens (the tokens that reached them)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_expert_parallel_worker, args=(port, str(tmp_path)), nprocs=2)
+    from tests._dist import free_port
+
+    mp.spawn(_expert_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
         assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5}

@@ -13,15 +13,12 @@ Sizes are cut (sequences of 64 tokens, a few steps) so the file runs in about 2 
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train.py"
@@ -31,6 +28,7 @@ TIMEOUT_S = 240
 sys.path.insert(0, str(TRAIN.parent))
 import _corpus  # noqa: E402
 import train  # noqa: E402
+from tests._dist import free_port  # noqa: E402
 
 
 def _env() -> dict:
@@ -92,17 +90,11 @@ def test_no_loongforge_runs_stock(tmp_path):
     assert "ExpertMaskedMoE:" not in summary["_log"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_deepspeed_launcher_two_cpu_processes_expert_parallel():
     launcher = Path(sys.executable).parent / "deepspeed"
     if not launcher.exists():
         pytest.skip(f"no deepspeed launcher next to {sys.executable}")
-    summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), str(TRAIN), *FAST,
+    summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), *FAST,
                         "--deepspeed_config", "ds_configs/multi_gpu_ep.json", "--steps", "2"])
     _assert_finite(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 2 and summary["bf16"], summary
@@ -131,7 +123,6 @@ def test_pydoc_corpus_is_offline_english():
 
 
 def test_local_text_dataset(tmp_path):
-    pytest.importorskip("datasets")
     path = tmp_path / "corpus.txt"
     path.write_text("first line of text\nsecond line\n\nthird\n")
     assert _corpus.dataset_documents(str(path)) == ["first line of text", "second line", "third"]

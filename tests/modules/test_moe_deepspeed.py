@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-deepspeed = pytest.importorskip("deepspeed")
+import deepspeed  # noqa: E402  (an install requirement: a missing one must fail, not skip)
 
 from ds_loongforge.modules.moe import ExpertMaskedMoE  # noqa: E402
 from ds_loongforge.modules.moe_deepspeed import (  # noqa: E402

@@ -3,7 +3,6 @@ single-process layer's on the same tokens; expert gradients are the matching sli
 gradient summed over ranks equals the single-process one. Includes a rank that receives no tokens and a
 rank that sends none."""
 
-import socket
 
 import pytest
 import torch
@@ -11,14 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ds_loongforge.modules.moe import ExpertMaskedMoE
+from tests._dist import free_port
 
 H, INTER, E, K = 16, 8, 8, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_model(seed: int, skew: bool) -> ExpertMaskedMoE:
@@ -69,7 +63,7 @@ def test_expert_parallel_equals_single_process(world, chunks, case, tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
     skew = case == "skewed_to_rank0"
     tokens = [23, 0 if case == "rank1_sends_nothing" else 17, 31, 9]
-    mp.spawn(_worker, args=(world, _free_port(), seed, skew, tokens, str(tmp_path), chunks), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), seed, skew, tokens, str(tmp_path), chunks), nprocs=world)
 
     full = _full_model(seed, skew)
     xs, dys = _inputs(world, tokens, seed)
@@ -97,7 +91,7 @@ def test_expert_parallel_equals_single_process(world, chunks, case, tmp_path):
 
 
 def test_experts_must_divide_over_the_ep_group(tmp_path):
-    mp.spawn(_bad_divisor_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_bad_divisor_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     assert (tmp_path / "message.txt").read_text().startswith(
         "ExpertMaskedMoE: num_experts=3 is not divisible by the expert-parallel size 2")
 
@@ -153,7 +147,7 @@ def _buffer_worker(rank, port, seed, out_dir):
 
 def test_receive_buffer_grows_exactly_and_stays_put_after_warmup(tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
-    mp.spawn(_buffer_worker, args=(_free_port(), seed, str(tmp_path)), nprocs=2)
+    mp.spawn(_buffer_worker, args=(free_port(), seed, str(tmp_path)), nprocs=2)
     full = _full_model(seed, skew=False)
     xs, dys = _inputs(2, [40, 40], seed)
     grew_any, fills = False, []

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-deepspeed = pytest.importorskip("deepspeed")
+import deepspeed  # noqa: E402  (an install requirement: a missing one must fail, not skip)
 
 from ds_loongforge.optim import (FusedAdamWClip, deepspeed_config_for, deepspeed_optimizer,  # noqa: E402
                                  uses_fused_adamw_clip)
