@@ -210,6 +210,7 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None, help="results file stem (default bench_sampler_<device>)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     impl = "reference" if device.type == "cpu" else "auto"  # CPU: no JIT build of the permute ops needed
@@ -358,8 +359,9 @@ def main(argv=None):
 
 def write(args, env, results, training, summary, series):
     name = args.name or f"bench_sampler_{'cpu' if args.device == 'cpu' else 'gpu'}"
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(
         {"env": env, "args": vars(args), "summary": summary, "load": results, "training": training}, indent=2))
     ok = lambda cond: "met" if cond else "NOT met"  # noqa: E731
     lines = [f"# {name}", "",
@@ -412,7 +414,7 @@ def write(args, env, results, training, summary, series):
               f"computation itself is in the training table (it shares the CPU cores with training)",
               f"- probe fit (observed routing of 16 batches + 300 Adam steps): {s['probe_fit_s']:.1f} s, "
               f"soft cross-entropy {s['probe_loss']:.3f}"]
-    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
     except ImportError:
@@ -436,8 +438,8 @@ def write(args, env, results, training, summary, series):
     ax1.legend()
     ax1.set_title("training")
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=110)
-    print(f"[bench_sampler] wrote {RESULTS_DIR / name}.{{json,md,png}}")
+    fig.savefig(out / f"{name}.png", dpi=110)
+    print(f"[bench_sampler] wrote {out / name}.{{json,md,png}}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@
 #
 #   here:   see shared/BENCHMARKS.md to fill .whl/ (DeepSpeed, pydantic, hjson, liger-kernel wheels)
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
+#
+# LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
+# build_ops, untimed), bench_optimizer, bench_sampler, diagnose_moe, bench_e2e. Steps that write several files
+# put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
+# 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480).
 set -uo pipefail
 OUT=${OUT:-/tmp/lf_out}
 mkdir -p "$OUT"
@@ -16,7 +21,21 @@ export PYTHONPATH=/tmp/site:$PWD
 ln -sfn ../op_builder ds_loongforge/op_builder
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 
+LF_STEPS=${LF_STEPS:-build verify tests bench_ops bench_moe}
+[ "${LF_BENCH:-1}" = 1 ] || LF_STEPS=${LF_STEPS//bench_ops/}
+[ "${LF_BENCH:-1}" = 1 ] || LF_STEPS=${LF_STEPS//bench_moe/}
+RES=/tmp/lf_res; rm -rf $RES; mkdir -p $RES
+has() { [[ " $LF_STEPS " == *" $1 "* ]]; }
+step() {  # step NAME CMD...: run with a timeout, log under $RES, tar $RES into $OUT after it
+  local name=$1; shift
+  echo "=== $name ($(date +%T))"
+  local t=$SECONDS
+  timeout "${LF_STEP_TIMEOUT:-480}" "$@" > "$RES/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t)) s"; tail -40 "$RES/$name.log"
+  tar -C $RES -cf "$OUT/results.tar" .
+}
 # cold JIT build of both CUDA ops (fresh extension dir), then a cached load in a fresh process
+if has build; then
 export TORCH_EXTENSIONS_DIR=/tmp/lf_ext_cold
 rm -rf "$TORCH_EXTENSIONS_DIR"
 python3 - > "$OUT/build.json" <<'PY'
@@ -53,14 +72,38 @@ if __name__ == "__main__":
 PY
 python3 /tmp/lf_build_ops.py >> "$OUT/build.json"
 cat "$OUT/build.json"
+fi
+export TORCH_EXTENSIONS_DIR=/tmp/lf_ext_parallel
+if has build_ops; then  # every op, in parallel, untimed (the steps below then load them cached)
+cat > /tmp/lf_build_all.py <<'PY'
+from ds_loongforge.report import all_builders
+from ds_loongforge.op_builder import build_ops
+if __name__ == "__main__":
+    results = build_ops(all_builders())
+    print({name: type(m).__name__ for name, m in results.items()})
+PY
+step build_ops python3 /tmp/lf_build_all.py
+fi
 
-python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
-python3 -m pytest tests -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
-[ "${LF_BENCH:-1}" = 1 ] || exit 0   # LF_BENCH=0: build, verify and GPU tests only
+has verify && python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
+has tests && python3 -m pytest tests -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+if has bench_ops; then
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
 python3 -m benchmarks.profile_ops 2>&1 | grep -v Warning > "$OUT/profile.log"; tail -22 "$OUT/profile.log"
+fi
 # MoE layer (issue 3): ours vs HF Mixtral (grouped_mm, eager), DeepSpeed MoE and AutoEP. The device returns at
 # most 8 files and the steps above write 7, so its log, JSON and markdown come back as one tar.
+if has bench_moe; then
 rm -rf /tmp/lf_moe && mkdir -p /tmp/lf_moe
 python3 -m benchmarks.bench_moe --out /tmp/lf_moe 2>&1 | tee /tmp/lf_moe/bench_moe.log | tail -50
 tar -C /tmp/lf_moe -cf "$OUT/bench_moe.tar" .
+fi
+has diagnose_moe && step diagnose_moe python3 -m benchmarks.diagnose_moe --out $RES
+# issue 4: the optimizer's GPU tests (also in "tests") and its benchmark
+has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or cuda_build" -p no:cacheprovider
+has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.py --out $RES
+# issue 6: the sampler benchmark on the GPU (pre-scan time, peak-memory spread)
+has bench_sampler && step bench_sampler python3 benchmarks/bench_sampler.py --device cuda --out $RES
+# issue 5: the end-to-end A/B benchmark (LF_E2E_ARGS, e.g. "--shape mixtral")
+has bench_e2e && step bench_e2e python3 launch/bench_e2e.py --out $RES ${LF_E2E_ARGS:-}
+exit 0

@@ -1,0 +1,153 @@
+"""Where does the MoE layer's time go between its kernels? (issue 3: mixtral_like is ~2.4 ms slower than the
+sum of its kernels.) Four measurements on one fwd+bwd of our layer, each answering one question:
+
+1. host syncs: ``torch.cuda.set_sync_debug_mode("warn")`` over one fwd+bwd; every synchronising call is
+   listed with the Python line that made it (a sync lets the GPU drain while the host catches up).
+2. timeline: torch.profiler (CPU + CUDA) over 3 iterations; the idle gaps between consecutive kernels on
+   the stream, largest first, each with the kernels on either side and the CPU ops running during it.
+3. launch-free time: the same fwd+bwd captured in a CUDA graph and replayed (no host work at all), next to
+   the eager time, with the same timer. Eager minus graph = what the host costs.
+4. clocks: the dense bf16 matmul rate for one product (what bench_moe's floor uses) vs sustained over a
+   chain as long as the layer, with nvidia-smi's SM clock and power sampled around it.
+
+    python -m benchmarks.diagnose_moe [--shape mixtral_like] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_moe import DTYPE, SHAPES, build_ours, make_input, make_weights
+from benchmarks.harness import Timer
+
+
+def host_syncs(fn) -> list[str]:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:160]}" for w in caught]
+
+
+def timeline(fn, iters: int = 3, top: int = 15) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = list(prof.events())
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    busy = sum(k.time_range.end - k.time_range.start for k in kernels)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    gaps = []
+    for a, b in zip(kernels, kernels[1:]):
+        gap = b.time_range.start - a.time_range.end
+        if gap > 5:
+            during = sorted({c.name for c in cpu_ops
+                             if c.time_range.start < b.time_range.start and c.time_range.end > a.time_range.end})
+            gaps.append((gap, a.name[:70], b.name[:70], during[:6]))
+    gaps.sort(key=lambda g: -g[0])
+    out = {"iters": iters, "kernels_per_iter": len(kernels) / iters, "busy_ms_per_iter": busy / iters / 1e3,
+           "span_ms_per_iter": span / iters / 1e3, "gap_ms_per_iter_over_5us": sum(g[0] for g in gaps) / iters / 1e3,
+           "top_gaps_us": [{"gap_us": round(g[0], 1), "after": g[1], "before": g[2], "cpu_ops_during": g[3]}
+                           for g in gaps[:top]]}
+    by_name: dict[str, float] = {}
+    for k in kernels:
+        by_name[k.name[:90]] = by_name.get(k.name[:90], 0.0) + (k.time_range.end - k.time_range.start) / iters
+    out["kernels_us_per_iter"] = dict(sorted(((n, round(t, 1)) for n, t in by_name.items()), key=lambda kv: -kv[1]))
+    return out
+
+
+def graph_vs_eager(fn, timer) -> dict:
+    eager_ms = timer(fn)[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # a host sync or a host-dependent shape inside the layer makes capture fail
+        return {"eager_ms": eager_ms, "graph": f"capture failed: {type(err).__name__}: {str(err)[:300]}"}
+    graph_ms = timer(graph.replay)[0]
+    return {"eager_ms": eager_ms, "graph_ms": graph_ms, "host_cost_ms": eager_ms - graph_ms}
+
+
+def clocks(shape, timer) -> dict:
+    T, H, I = shape.tokens * shape.top_k // shape.experts, shape.hidden, shape.inter
+    a = torch.randn(T, H, device="cuda", dtype=DTYPE)
+    b = torch.randn(H, 2 * I, device="cuda", dtype=DTYPE)
+    flops = 2 * T * H * 2 * I
+    one_ms = timer(lambda: a @ b)[0]
+    chain = max(1, int(round(shape.gemm_flops_fwd_bwd / flops)))
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    try:
+        chain_ms = timer(lambda: [a @ b for _ in range(chain)])[0]
+    finally:
+        smi.terminate()
+        samples = smi.communicate(timeout=10)[0].strip().splitlines()
+    return {"gemm": f"[{T}x{H}] @ [{H}x{2 * I}] bf16", "single_tflops": flops / one_ms / 1e9,
+            "chain_len": chain, "chain_tflops": chain * flops / chain_ms / 1e9, "smi_samples": samples[-12:]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="mixtral_like")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    w = make_weights(shape, torch.device("cuda"))
+    x, _ = make_input(shape, w.gate_EH, torch.device("cuda"))
+    dy = torch.randn_like(x)
+    built = build_ours(shape, w, torch.device("cuda"))
+    inputs = (x, *built.params)
+
+    def step():
+        return torch.autograd.grad(built.forward(x), inputs, dy, allow_unused=True, materialize_grads=True)
+
+    timer = Timer(warmup=5, repeats=args.repeats)
+    result = {"shape": args.shape, "implementation": built.implementation}
+    result["host_syncs"] = host_syncs(step)
+    print("host syncs in one fwd+bwd:", len(result["host_syncs"]), *result["host_syncs"], sep="\n  ", flush=True)
+    result["timeline"] = timeline(step)
+    t = result["timeline"]
+    print(f"timeline: {t['kernels_per_iter']:.0f} kernels/iter, busy {t['busy_ms_per_iter']:.2f} ms, span "
+          f"{t['span_ms_per_iter']:.2f} ms, gaps > 5 us {t['gap_ms_per_iter_over_5us']:.2f} ms", flush=True)
+    for g in t["top_gaps_us"]:
+        print(f"  {g['gap_us']:8.1f} us  after {g['after']}  before {g['before']}  cpu: {g['cpu_ops_during']}")
+    for name, us in list(t["kernels_us_per_iter"].items())[:25]:
+        print(f"  {us:9.1f} us  {name}")
+    result["graph"] = graph_vs_eager(step, timer)
+    print("graph vs eager:", result["graph"], flush=True)
+    del built, inputs
+    torch.cuda.empty_cache()
+    result["clocks"] = clocks(shape, timer)
+    print("clocks:", json.dumps(result["clocks"], indent=1), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"diagnose_moe_{args.shape}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
