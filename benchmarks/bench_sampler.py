@@ -362,7 +362,7 @@ def write(args, env, results, training, summary, series):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(
-        {"env": env, "args": vars(args), "summary": summary, "load": results, "training": training}, indent=2))
+        {"env": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "summary": summary, "load": results, "training": training}, indent=2))
     ok = lambda cond: "met" if cond else "NOT met"  # noqa: E731
     lines = [f"# {name}", "",
              f"{env['device']}, torch {env['torch']}, scikit-learn {env['scikit_learn']}, DeepSpeed {env['deepspeed']}, "
