@@ -131,6 +131,7 @@ setup(
         "ninja",
         "numpy",
         "scikit-learn",
+        "scipy",  # the sampler's batch partition (linear_sum_assignment); scikit-learn needs it too
         "pydantic>=2",
         "tqdm",
     ],
