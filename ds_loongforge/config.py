@@ -77,6 +77,16 @@ class OptimizerConfig(_Section):
                                    "\"LoongForgeAdamW\"} selects it too.")
 
 
+class ProfilerConfig(_Section):
+    enabled: bool = Field(False, description="Start ds_loongforge.profiler on the engine that initialize builds: "
+                          "time shares of forward, backward, all_to_all, optimizer, data and idle (CUDA events, "
+                          "read lazily) and tokens/s; profiler.stop() returns the report. Off, nothing is wrapped "
+                          "and nothing is measured.")
+    report_every: int = Field(0, ge=0, description="Log the report of every this many optimizer steps through the "
+                              "ds_loongforge logger (waits for the device once per report; 0 = only on demand: "
+                              "profiler.stop() / profiler.get_training_stats()).")
+
+
 class LoongForgeConfig(_Section):
     enabled: bool = Field(False, description="Master switch: nothing is changed unless this is true.")
     strict_ops: bool = Field(
@@ -89,6 +99,8 @@ class LoongForgeConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The fused optimizer step.")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="The expert-aware batch sampler "
                                    "(ds_loongforge.data.build_dataloader).")
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig, description="The training-loop profiler "
+                                     "(ds_loongforge.profiler).")
 
 
 class LoongForgeConfigError(ValueError):

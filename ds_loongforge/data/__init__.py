@@ -1,6 +1,8 @@
-"""Data side of LoongForge: the expert-aware batch sampler, routing signatures, and the padding collator.
+"""Data side of LoongForge: the expert-aware batch sampler, routing signatures, the padding collator, and the
+side-stream device prefetcher.
 
     loader = build_dataloader(dataset, ds_config, model, batch_size=8)   # rank/world size from torch.distributed
+    batches = DevicePrefetcher(loader, engine.device)                   # next batch's copy in flight
 
 Not done yet: DeepSpeed's engine does not call this by itself (``deepspeed.initialize(training_data=...)``
 builds its own loader); the initialize hook in ``integrations/`` is the place to route it here.
@@ -16,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ds_loongforge.data.collator import PadCollator
+from ds_loongforge.data.prefetch import DevicePrefetcher
 from ds_loongforge.data.sampler import BucketPlan, ExpertAwareSampler, batch_loads, cluster_signatures, max_load_cv
 from ds_loongforge.data.signatures import (SIGNATURE_KINDS, RouterSignatures, RoutingProbe, RoutingWeights,
                                            SignatureCache, SignatureSet, TokenIds, collect_observed_routing,
@@ -83,4 +86,4 @@ __all__ = ["ExpertAwareSampler", "BucketPlan", "cluster_signatures", "batch_load
            "SIGNATURE_KINDS", "RouterSignatures", "RoutingProbe", "RoutingWeights", "SignatureCache",
            "SignatureSet", "TokenIds", "collect_observed_routing", "dataset_token_ids", "router_table",
            "routing_weights", "signatures_from_table", "forward_signatures", "observed_routing", "fit_probe",
-           "build_dataloader"]
+           "build_dataloader", "DevicePrefetcher"]

@@ -14,7 +14,8 @@ config (a dict, a JSON path, or ``args.deepspeed_config``), before DeepSpeed bui
    optimizer before calling ``deepspeed.initialize``);
 4. the optimizer is FusedAdamWClip when the config selects it (``ds_loongforge.optim.initialize``);
 5. ``training_data`` is served by ``ds_loongforge.data.build_dataloader`` (ExpertAwareSampler) when
-   ``sampler.expert_aware`` is true, else by DeepSpeed's own loader.
+   ``sampler.expert_aware`` is true, else by DeepSpeed's own loader;
+6. once the engine is built, ``ds_loongforge.profiler`` starts on it when ``profiler.enabled`` is true.
 
 Without the block, with ``"enabled": false``, or with ``LOONGFORGE_DISABLE=1`` this is exactly
 ``deepspeed.initialize``. ``install(deepspeed)`` makes ``deepspeed.initialize`` itself this function; the
@@ -178,7 +179,21 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         logger.info("[LoongForge] training data: ExpertAwareSampler (%d batches per epoch on this rank)", len(loader))
     elif training_data is not None:
         logger.info("[LoongForge] training data: DeepSpeed's loader (sampler.expert_aware is false)")
+    if config.profiler.enabled:
+        _start_profiler(engine, config.profiler.report_every)
     return engine, optimizer, loader, scheduler
+
+
+def _start_profiler(engine, report_every: int) -> None:
+    from ds_loongforge import profiler
+
+    if profiler.is_active():
+        logger.warning("[LoongForge] profiler: already profiling another engine, this one is not profiled; call "
+                       "ds_loongforge.profiler.stop() before building it")
+        return
+    profiler.start(engine, report_every=report_every)
+    logger.info("[LoongForge] profiler: on (%s); ds_loongforge.profiler.stop() returns the report",
+                f"a report every {report_every} steps" if report_every else "report on demand")
 
 
 def _optimizer_reason(client_optimizer) -> str:

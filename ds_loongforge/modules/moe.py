@@ -28,6 +28,8 @@ host split sizes; removing it needs a device-side-split all-to-all (NVSHMEM symm
 the design leaves for later. Rows arrive in a pre-allocated receive buffer (ReceiveBuffer):
 ceil(factor * T * K / ep_size) rows at first, calibrated to the observed peak at the end of a warm-up
 window, grown by ``growth`` with one warning when a step needs more; never a crash or a dropped token.
+Each launch and wait of an exchange is a ``profiler.region("all_to_all")`` (one shared no-op while the
+profiler is off).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ds_loongforge import profiler
 from ds_loongforge.ops.moe_dispatch import moe_permute, moe_unpermute, routing_indices
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
@@ -252,14 +255,16 @@ class _StartAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, xchg):
         ctx.xchg = xchg
-        xchg.work = dist.all_to_all_single(xchg.out, x.contiguous(), xchg.out_splits, xchg.in_splits,
-                                           group=xchg.group, async_op=True)
+        with profiler.region("all_to_all"):
+            xchg.work = dist.all_to_all_single(xchg.out, x.contiguous(), xchg.out_splits, xchg.in_splits,
+                                               group=xchg.group, async_op=True)
         return xchg.out
 
     @staticmethod
     def backward(ctx, _grad_passthrough):
         xchg = ctx.xchg
-        xchg.back_work.wait()
+        with profiler.region("all_to_all"):
+            xchg.back_work.wait()
         grad_in = xchg.grad_in
         xchg.back_work = xchg.grad_in = None
         return grad_in, None
@@ -269,7 +274,8 @@ class _WaitAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, xchg):
         ctx.xchg = xchg
-        xchg.work.wait()  # NCCL: the current stream waits (no host block); gloo: the host waits
+        with profiler.region("all_to_all"):
+            xchg.work.wait()  # NCCL: the current stream waits (no host block); gloo: the host waits
         xchg.work = None
         return out.view_as(out)
 
@@ -278,8 +284,9 @@ class _WaitAllToAll(torch.autograd.Function):
         xchg = ctx.xchg
         grad_out = grad_out.contiguous()
         xchg.grad_in = grad_out.new_empty(sum(xchg.in_splits), *grad_out.shape[1:])
-        xchg.back_work = dist.all_to_all_single(xchg.grad_in, grad_out, xchg.in_splits, xchg.out_splits,
-                                                group=xchg.group, async_op=True)
+        with profiler.region("all_to_all"):
+            xchg.back_work = dist.all_to_all_single(xchg.grad_in, grad_out, xchg.in_splits, xchg.out_splits,
+                                                    group=xchg.group, async_op=True)
         return grad_out, None  # placeholder; _StartAllToAll.backward returns the exchanged gradient
 
 
@@ -455,7 +462,8 @@ class ExpertMaskedMoE(nn.Module):
         ep, local, bounds = self.ep_size, self.num_local_experts, self.chunk_bounds
         send_RL = tokens_per_expert_E.view(ep, local)
         recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=self.ep_group)
+        with profiler.region("all_to_all"):
+            dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=self.ep_group)
         send_CR = torch.stack([send_RL[:, lo:hi].sum(1) for lo, hi in bounds])
         recv_CR = torch.stack([recv_RL[:, lo:hi].sum(1) for lo, hi in bounds])
         # The one host sync of the layer (forward only; backward reuses the splits): all_to_all_single
