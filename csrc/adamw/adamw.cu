@@ -100,10 +100,11 @@ __device__ __forceinline__ void update_one(P* param, float* master, const G* gra
 
 template <typename P, typename G, bool kHasMaster>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restrict__ table, TableHeader h,
-                                                         const float* __restrict__ stats, Hyper hp) {
+                                                         const float* __restrict__ stats,
+                                                         const float* __restrict__ inv_scale_dev, Hyper hp) {
     constexpr int V = 4;  // 16 bytes of every fp32 stream; 8 of a bf16/fp16 one
     if (stats[1] != 0.f) return;
-    const float scale = grad_scale(hp, stats[0]);
+    const float scale = grad_scale(hp, stats[0], inv_scale_dev != nullptr ? *inv_scale_dev : 1.f);
     for (int64_t c = blockIdx.x; c < h.n_chunks; c += gridDim.x) {
         const Chunk ch = chunk_at(table, h, c);
         const int64_t* e = ch.entry;
@@ -172,7 +173,8 @@ void reduce_partials_cuda(const at::Tensor& partials, const at::Tensor& flags, c
     LF_CUDA_CHECK_LAUNCH();
 }
 
-void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats, const Hyper& hp) {
+void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats,
+                       const float* inv_scale_dev, const Hyper& hp) {
     const c10::cuda::CUDAGuard guard(dev_table.device());
     auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t* table = dev_table.data_ptr<int64_t>();
@@ -185,11 +187,11 @@ void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const 
         auto launch = [&](auto g_tag) {
             using G = decltype(g_tag);
             if constexpr (std::is_same_v<P, float>) {
-                adamw_kernel<float, float, false><<<grid, kThreads, 0, stream>>>(table, h, s, hp);
+                adamw_kernel<float, float, false><<<grid, kThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
             } else if (h.has_master) {
-                adamw_kernel<P, G, true><<<grid, kThreads, 0, stream>>>(table, h, s, hp);
+                adamw_kernel<P, G, true><<<grid, kThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
             } else {
-                adamw_kernel<P, G, false><<<grid, kThreads, 0, stream>>>(table, h, s, hp);
+                adamw_kernel<P, G, false><<<grid, kThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
             }
             LF_CUDA_CHECK_LAUNCH();
         };

@@ -18,7 +18,8 @@ namespace adamw {
 void sumsq_partials_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& partials,
                          const at::Tensor& flags);
 void reduce_partials_cuda(const at::Tensor& partials, const at::Tensor& flags, const at::Tensor& stats);
-void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats, const Hyper& hp);
+void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats,
+                       const float* inv_scale_dev, const Hyper& hp);
 #define LF_SUMSQ_PARTIALS sumsq_partials_cuda
 #define LF_REDUCE_PARTIALS reduce_partials_cuda
 #define LF_ADAMW_UPDATE adamw_update_cuda
@@ -28,7 +29,8 @@ constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
 void sumsq_partials_cpu(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& partials,
                         const at::Tensor& flags);
 void reduce_partials_cpu(const at::Tensor& partials, const at::Tensor& flags, const at::Tensor& stats);
-void adamw_update_cpu(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats, const Hyper& hp);
+void adamw_update_cpu(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats,
+                      const float* inv_scale_dev, const Hyper& hp);
 #define LF_SUMSQ_PARTIALS sumsq_partials_cpu
 #define LF_REDUCE_PARTIALS reduce_partials_cpu
 #define LF_ADAMW_UPDATE adamw_update_cpu
@@ -174,7 +176,7 @@ void grad_stats(const std::vector<at::Tensor>& cpu_tables, const std::vector<at:
 // Pass 2 over one bucket with its group's hyper-parameters.
 void adamw_apply(const at::Tensor& cpu_table, const at::Tensor& dev_table, const at::Tensor& stats, double lr,
                  double beta1, double beta2, double eps, double weight_decay, double max_norm, double clip_eps,
-                 double inv_scale) {
+                 double inv_scale, const c10::optional<at::Tensor>& inv_scale_t) {
     const TableHeader h = read_header(cpu_table);
     check_tables(cpu_table, dev_table);
     check_stats(stats, dev_table);
@@ -183,8 +185,16 @@ void adamw_apply(const at::Tensor& cpu_table, const at::Tensor& dev_table, const
                 "fused_adamw_clip: betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
     LF_CHECK(eps > 0.0, "fused_adamw_clip: eps must be > 0, got ", eps);
     LF_CHECK(inv_scale > 0.0, "fused_adamw_clip: inv_scale must be > 0, got ", inv_scale);
+    const float* inv_scale_dev = nullptr;
+    if (inv_scale_t.has_value()) {  // a dynamic loss scale kept on the device: its inverse, read by the kernel
+        const at::Tensor& t = *inv_scale_t;
+        LF_CHECK(t.device() == stats.device() && t.scalar_type() == at::kFloat && t.numel() == 1,
+                 "fused_adamw_clip: inv_scale_t must be one float32 element on the stats' device");
+        inv_scale_dev = t.data_ptr<float>();
+    }
     if (h.n_chunks == 0) return;
-    LF_ADAMW_UPDATE(h, dev_table, stats, Hyper{lr, beta1, beta2, eps, weight_decay, max_norm, clip_eps, inv_scale});
+    LF_ADAMW_UPDATE(h, dev_table, stats, inv_scale_dev,
+                    Hyper{lr, beta1, beta2, eps, weight_decay, max_norm, clip_eps, inv_scale});
 }
 
 }  // namespace
@@ -202,6 +212,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "pass 1: stats[0] = sum of squared grads, stats[1] = non-finite count, over every bucket");
     m.def("adamw_apply", &adamw_apply, py::arg("cpu_table"), py::arg("dev_table"), py::arg("stats"), py::arg("lr"),
           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("max_norm"),
-          py::arg("clip_eps"), py::arg("inv_scale"),
+          py::arg("clip_eps"), py::arg("inv_scale"), py::arg("inv_scale_t") = py::none(),
           "pass 2: clipped AdamW on one bucket and its step counts, or nothing when stats[1] != 0");
 }

@@ -89,16 +89,19 @@ LF_HOST_DEVICE StepScalars step_scalars(const Hyper& h, float step) {
 }
 
 // min(1, max_norm / (norm + clip_eps)) times the inverse loss scale; no clipping when max_norm <= 0.
+// The inverse loss scale is h.inv_scale (host) times dev_inv (read from the device by the caller: a dynamic
+// fp16 loss scale that lives on the device, 1 when there is none).
 // A squared norm that overflowed to inf while every gradient is finite gives 0 (as torch's
 // clip_grad_norm_ does): the step then only decays the moments and the weights.
-LF_HOST_DEVICE float grad_scale(const Hyper& h, float norm_sq) {
+LF_HOST_DEVICE float grad_scale(const Hyper& h, float norm_sq, float dev_inv) {
+    const float inv = static_cast<float>(h.inv_scale) * dev_inv;
     float coef = 1.f;
     if (h.max_norm > 0.0) {
-        const float norm = sqrtf(norm_sq) * static_cast<float>(h.inv_scale);
+        const float norm = sqrtf(norm_sq) * inv;
         const float c = static_cast<float>(h.max_norm) / (norm + static_cast<float>(h.clip_eps));
         coef = c < 1.f ? c : 1.f;
     }
-    return coef * static_cast<float>(h.inv_scale);
+    return coef * inv;
 }
 
 // torch.optim.AdamW's single-tensor update in fp32, operation for operation: decoupled decay, lerp of the

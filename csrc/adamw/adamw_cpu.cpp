@@ -99,10 +99,11 @@ void reduce_partials_cpu(const at::Tensor& partials, const at::Tensor& flags, co
     s[1] = bad;
 }
 
-void adamw_update_cpu(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats, const Hyper& hp) {
+void adamw_update_cpu(const TableHeader& h, const at::Tensor& dev_table, const at::Tensor& stats,
+                      const float* inv_scale_dev, const Hyper& hp) {
     const float* s = stats.data_ptr<float>();
     if (s[1] != 0.f) return;
-    const float scale = grad_scale(hp, s[0]);
+    const float scale = grad_scale(hp, s[0], inv_scale_dev != nullptr ? *inv_scale_dev : 1.f);
     const int64_t* table = dev_table.data_ptr<int64_t>();
     dispatch_code(h.param_dtype, "param", [&](auto p_tag) {
         using P = decltype(p_tag);

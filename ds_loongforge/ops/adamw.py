@@ -117,8 +117,10 @@ def grad_stats_reference(buckets: Sequence[AdamWBucket], stats: torch.Tensor) ->
     return stats
 
 
-def _grad_scale_reference(stats: torch.Tensor, max_norm: float | None, clip_eps: float, inv_scale: float):
-    scale = torch.full((), inv_scale, dtype=torch.float32, device=stats.device)
+def _grad_scale_reference(stats: torch.Tensor, max_norm: float | None, clip_eps: float,
+                          inv_scale: float | torch.Tensor):
+    scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=stats.device).reshape(())
+    inv_scale = scale
     if max_norm is not None:
         norm = stats[0].sqrt() * inv_scale
         scale = (max_norm / (norm + clip_eps)).clamp(max=1.0) * inv_scale
@@ -128,7 +130,7 @@ def _grad_scale_reference(stats: torch.Tensor, max_norm: float | None, clip_eps:
 @torch.no_grad()
 def adamw_clip_apply_reference(bucket: AdamWBucket, stats: torch.Tensor, lr: float, betas: tuple[float, float],
                                eps: float, weight_decay: float, max_norm: float | None = None,
-                               clip_eps: float = DEFAULT_CLIP_EPS, inv_scale: float = 1.0) -> None:
+                               clip_eps: float = DEFAULT_CLIP_EPS, inv_scale: float | torch.Tensor = 1.0) -> None:
     """Pass 2 in PyTorch with the kernels' arithmetic; nothing changes when stats[1] != 0."""
     beta1, beta2 = betas
     skip = stats[1] != 0
@@ -177,19 +179,29 @@ def grad_stats(buckets: Sequence[AdamWBucket], stats: torch.Tensor | None = None
 
 def adamw_clip_apply(bucket: AdamWBucket, stats: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                      eps: float = 1e-8, weight_decay: float = 1e-2, max_norm: float | None = None,
-                     clip_eps: float = DEFAULT_CLIP_EPS, inv_scale: float = 1.0, impl: str = "auto") -> None:
-    """Pass 2 over one bucket with its group's hyper-parameters (see the module docstring)."""
+                     clip_eps: float = DEFAULT_CLIP_EPS, inv_scale: float | torch.Tensor = 1.0,
+                     impl: str = "auto") -> None:
+    """Pass 2 over one bucket with its group's hyper-parameters (see the module docstring). ``inv_scale``:
+    a Python number, or a float32 one-element tensor on the stats' device (a dynamic fp16 loss scale kept on
+    the device: read by the kernel, never by the host)."""
     _check_hyper(lr, betas, eps, weight_decay, max_norm)
-    if not inv_scale > 0.0:
+    inv_scale_t = None
+    if isinstance(inv_scale, torch.Tensor):
+        if inv_scale.numel() != 1 or inv_scale.dtype != torch.float32 or inv_scale.device != stats.device:
+            raise ValueError(f"fused_adamw_clip: a tensor inv_scale must be one float32 element on {stats.device}, "
+                             f"got {inv_scale.dtype} of shape {tuple(inv_scale.shape)} on {inv_scale.device}")
+        inv_scale_t, inv_scale = inv_scale.reshape(1), 1.0
+    elif not inv_scale > 0.0:
         raise ValueError(f"fused_adamw_clip: inv_scale must be > 0, got {inv_scale!r}")
     kernel = _kernel([bucket], impl)
     if kernel is None:
-        adamw_clip_apply_reference(bucket, stats, lr, betas, eps, weight_decay, max_norm, clip_eps, inv_scale)
+        adamw_clip_apply_reference(bucket, stats, lr, betas, eps, weight_decay, max_norm, clip_eps,
+                                   inv_scale if inv_scale_t is None else inv_scale_t)
         return
     cpu, dev = bucket.tables(kernel)
     kernel.adamw_apply(cpu, dev, stats, float(lr), float(betas[0]), float(betas[1]), float(eps),
                        float(weight_decay), float(max_norm) if max_norm is not None else 0.0, float(clip_eps),
-                       float(inv_scale))
+                       float(inv_scale), inv_scale_t)
 
 
 def fused_adamw_clip_step(buckets: Sequence[AdamWBucket], hypers: Sequence[dict], max_norm: float | None = None,

@@ -19,19 +19,36 @@ The norm: ZeRO-1/2 partitions of one rank are disjoint from every other rank's, 
 data-parallel group and for expert groups over the expert-data-parallel group inside each expert-parallel
 rank, so the sum of squares over the whole world is the global one: one all-reduce of the [2] stats
 tensor (sum of squares, non-finite count), no host sync. ``engine.get_global_grad_norm()`` returns it as a
-device tensor. Steps with an inf/nan gradient change nothing; ``optimizer.skipped_steps`` counts them.
+device tensor. Steps with an inf/nan gradient change nothing; ``optimizer.skipped_steps`` counts them on the
+device and ``engine.skipped_steps`` reads that count (a sync only when it is read: DeepSpeed's progress line
+every ``steps_per_print`` steps, checkpoints).
 
-Not covered (raise at initialize): fp16 (its dynamic loss scale needs the overflow on the host), ZeRO-3,
-CPU offload, tensor/pipeline parallelism (mpu). ZeRO-0 with fp32 params uses FusedAdamWClip directly with the
-gradients DeepSpeed already all-reduced (exact without expert parallelism; with it the norm is this rank's).
+fp16: DeepSpeed's dynamic loss scaler decides on the host (overflow -> halve, ``loss_scale_window`` clean
+steps -> double, with hysteresis), which needs the overflow flag on the host every step. Under this optimizer
+the ZeRO optimizer's scaler is replaced by :class:`DeviceLossScaler`, the same rules on device tensors: the
+loss is multiplied by the device scale, the kernel reads its inverse, and the non-finite count of pass 1
+updates it. A static ``"loss_scale"`` stays DeepSpeed's own (a host constant).
+
+ZeRO-0 with bf16 or fp16 params (DeepSpeed wraps the optimizer in BF16_Optimizer / FP16_Optimizer, each with
+its own norm, overflow and clip passes) or with expert-parallel parameter groups (whose gradients differ
+between expert-parallel ranks, so the norm needs ZeRO's partition-disjoint layout) runs as ZeRO-1:
+DeepSpeed's BF16_Optimizer is itself a ZeRO-1-style partitioned fp32 optimizer, and ZeRO-1 gives the same
+updates with the fp32 state partitioned. This is logged once. ZeRO-0 with fp32 params and no expert
+parallelism uses FusedAdamWClip directly on the gradients DeepSpeed already all-reduced.
+
+Not covered (raise at initialize): ZeRO-3, CPU offload, tensor/pipeline parallelism (mpu).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+
 import torch
 
 from ds_loongforge.optim.fused_adamw_clip import FusedAdamWClip
+
+logger = logging.getLogger("ds_loongforge")
 
 OPTIMIZER_TYPE = "LoongForgeAdamW"
 _ADAMW_TYPES = ("adamw", "adam", OPTIMIZER_TYPE.lower())
@@ -75,13 +92,32 @@ def deepspeed_optimizer(model_params, ds_config: dict, impl: str = "auto") -> Fu
     return FusedAdamWClip(model_params, max_norm=clip if clip > 0 else None, **kwargs)
 
 
-def deepspeed_config_for(ds_config: dict) -> dict:
-    """The config DeepSpeed gets beside our optimizer: no "optimizer" entry, no clipping of its own."""
+def _enabled(config: dict, key: str) -> bool:
+    return bool((config.get(key) or {}).get("enabled", False))
+
+
+def deepspeed_config_for(ds_config: dict, expert_parallel: bool = False) -> dict:
+    """The config DeepSpeed gets beside our optimizer: no "optimizer" entry, no clipping of its own, and
+    ZeRO-0 raised to ZeRO-1 for bf16/fp16 params or expert-parallel groups (see the module doc)."""
     config = copy.deepcopy(ds_config)
     config.pop("optimizer", None)
     config["gradient_clipping"] = 0.0
     config["zero_allow_untested_optimizer"] = True
+    zero = dict(config.get("zero_optimization") or {})
+    low_precision = _enabled(config, "bf16") or _enabled(config, "bfloat16") or _enabled(config, "fp16")
+    if int(zero.get("stage", 0)) == 0 and (low_precision or expert_parallel):
+        why = "bf16/fp16 params" if low_precision else "expert-parallel parameter groups"
+        logger.info("[LoongForge] FusedAdamWClip: ZeRO-0 with %s runs as ZeRO-1 (partitioned fp32 state, the "
+                    "same updates; DeepSpeed's ZeRO-0 %s wrapper would add its own norm and clip passes)", why,
+                    "BF16_Optimizer/FP16_Optimizer" if low_precision else "norm")
+        zero["stage"] = 1
+        config["zero_optimization"] = zero
     return config
+
+
+def _has_expert_groups(params) -> bool:
+    groups = params if isinstance(params, (list, tuple)) else []
+    return any(isinstance(g, dict) and g.get("moe", False) for g in groups)
 
 
 def initialize(model, config: dict, model_parameters=None, impl: str = "auto", **kwargs):
@@ -94,7 +130,10 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
         raise ValueError("initialize: the config selects FusedAdamWClip; do not pass an optimizer as well")
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     optimizer = deepspeed_optimizer(params, config, impl=impl)
-    result = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config_for(config), **kwargs)
+    expert_parallel = _has_expert_groups(params) or any(getattr(p, "allreduce", True) is False
+                                                        for p in model.parameters())
+    result = deepspeed.initialize(model=model, optimizer=optimizer,
+                                  config=deepspeed_config_for(config, expert_parallel), **kwargs)
     attach(result[0], optimizer)
     return result
 
@@ -108,16 +147,15 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     if engine.gradient_clipping() != 0.0:
         raise ValueError(f"attach: the engine clips gradients itself (gradient_clipping="
                          f"{engine.gradient_clipping()}); build it with deepspeed_config_for(config)")
-    if engine.fp16_enabled():
-        raise NotImplementedError("FusedAdamWClip under DeepSpeed fp16 is not supported: the dynamic loss scale "
-                                  "needs the overflow on the host. Use bf16 or fp32.")
     if engine.mpu is not None:
         raise NotImplementedError("FusedAdamWClip under tensor/pipeline parallelism (mpu) is not supported")
     stage = engine.zero_optimization_stage()
     if stage == 0:
         if not isinstance(engine.optimizer, FusedAdamWClip):
             raise NotImplementedError(f"FusedAdamWClip at ZeRO-0 needs fp32 params; DeepSpeed wrapped it in "
-                                      f"{type(engine.optimizer).__name__}. Use ZeRO-1/2 for bf16.")
+                                      f"{type(engine.optimizer).__name__}. Build the engine with "
+                                      "deepspeed_config_for(config), which runs bf16/fp16 as ZeRO-1.")
+        _count_skips_on_engine(engine, optimizer)
         return
     zero = engine.optimizer
     if stage not in (1, 2) or not isinstance(zero, DeepSpeedZeroOptimizer):
@@ -125,9 +163,117 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     for flag in ("cpu_offload", "torch_autocast_gradscaler", "zenflow"):
         if getattr(zero, flag, None):
             raise NotImplementedError(f"FusedAdamWClip under ZeRO with {flag} is not supported")
+    if engine.fp16_enabled() and getattr(zero.loss_scaler, "dynamic", False):
+        zero.loss_scaler = DeviceLossScaler.like(zero.loss_scaler, device=zero.single_partition_of_fp32_groups[0].device)
     optimizer.stats_hook = _world_all_reduce
     zero.step = _fused_zero_step.__get__(zero)
     zero.loongforge_optimizer = optimizer
+    _count_skips_on_engine(engine, optimizer)
+
+
+class DeviceLossScaler:
+    """DeepSpeed's DynamicLossScaler (fp16) with its state on the device, so that no step reads the overflow
+    flag on the host. Same rules as DeepSpeed 0.19.8's ``update_scale``: on a step with a non-finite
+    gradient the scale is divided by ``scale_factor`` (not below ``min_scale``) once the hysteresis is used
+    up, else the hysteresis counts down; after ``scale_window`` clean steps since the last overflow it is
+    multiplied by ``scale_factor`` (and the hysteresis refilled). DeepSpeed raises when an overflow hits the
+    minimum scale; here that would need a host read, so the step is skipped like any other (the skip count,
+    ``engine.skipped_steps``, shows it).
+
+    It stands in for ZeRO's ``loss_scaler``: ``loss_scale`` / ``cur_scale`` are a float32 device scalar,
+    ``scale_loss``/``backward`` multiply by it, ``inverse()`` is what the fused step reads, and
+    ``update(stats)`` follows each step. It pickles into DeepSpeed checkpoints with its state."""
+
+    dynamic = True
+
+    def __init__(self, init_scale: float, scale_window: int = 1000, min_scale: float = 1.0, delayed_shift: int = 1,
+                 consecutive_hysteresis: bool = False, scale_factor: float = 2.0, device=None):
+        if not init_scale > 0 or not min_scale > 0 or scale_window < 1 or delayed_shift < 1 or scale_factor <= 1:
+            raise ValueError(f"DeviceLossScaler: needs init_scale > 0, min_scale > 0, scale_window >= 1, "
+                             f"delayed_shift >= 1, scale_factor > 1; got {init_scale}, {min_scale}, {scale_window}, "
+                             f"{delayed_shift}, {scale_factor}")
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.scale_window, self.min_scale, self.delayed_shift = int(scale_window), float(min_scale), int(delayed_shift)
+        self.consecutive_hysteresis, self.scale_factor = bool(consecutive_hysteresis), float(scale_factor)
+        self._scale = torch.tensor(float(init_scale), **f32)
+        self._hysteresis = torch.tensor(self.delayed_shift, **i64)
+        self._iter = torch.tensor(0, **i64)
+        self._last_overflow = torch.tensor(-1, **i64)
+
+    @classmethod
+    def like(cls, scaler, device=None) -> "DeviceLossScaler":
+        """The device twin of a DeepSpeed DynamicLossScaler, in its current state."""
+        new = cls(scaler.cur_scale, scaler.scale_window, scaler.min_scale, scaler.delayed_shift,
+                  scaler.consecutive_hysteresis, scaler.scale_factor, device=device)
+        new._hysteresis.fill_(int(scaler.cur_hysteresis))
+        new._iter.fill_(int(scaler.cur_iter))
+        new._last_overflow.fill_(int(scaler.last_overflow_iter))
+        return new
+
+    @property
+    def cur_scale(self) -> torch.Tensor:
+        return self._scale
+
+    @cur_scale.setter
+    def cur_scale(self, value) -> None:
+        self._scale.fill_(value)
+
+    loss_scale = cur_scale
+
+    @property
+    def cur_hysteresis(self) -> int:  # host reads: for logs and tests
+        return int(self._hysteresis)
+
+    @property
+    def cur_iter(self) -> int:
+        return int(self._iter)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        self.scale_loss(loss).backward(retain_graph=retain_graph)
+
+    def inverse(self) -> torch.Tensor:
+        return torch.reciprocal(self._scale)
+
+    @torch.no_grad()
+    def update(self, stats: torch.Tensor) -> None:
+        """After a step whose (all-reduced) pass-1 stats are ``stats``: DeepSpeed's update_scale, on device."""
+        overflow = stats[1] != 0
+        shrink = overflow & ((self.delayed_shift == 1) | (self._hysteresis == 1))
+        scale_on_overflow = torch.where(shrink, torch.clamp(self._scale / self.scale_factor, min=self.min_scale),
+                                        self._scale)
+        hysteresis_on_overflow = torch.where(shrink, self._hysteresis, self._hysteresis - 1)
+        stable = self._iter - self._last_overflow - 1
+        grow = (stable > 0) & (stable % self.scale_window == 0)
+        hysteresis_ok = torch.full_like(self._hysteresis, self.delayed_shift) if self.consecutive_hysteresis \
+            else torch.where(grow, torch.full_like(self._hysteresis, self.delayed_shift), self._hysteresis)
+        scale_ok = torch.where(grow, self._scale * self.scale_factor, self._scale)
+        self._scale.copy_(torch.where(overflow, scale_on_overflow, scale_ok))
+        self._hysteresis.copy_(torch.where(overflow, hysteresis_on_overflow, hysteresis_ok))
+        self._last_overflow.copy_(torch.where(overflow, self._iter, self._last_overflow))
+        self._iter += 1
+
+
+def _count_skips_on_engine(engine, optimizer: FusedAdamWClip) -> None:
+    """``engine.skipped_steps`` = the optimizer's device count of skipped steps (plus what a loaded
+    checkpoint recorded): DeepSpeed counts only host-reported overflows, which this optimizer never reports."""
+    base = type(engine)
+    if getattr(base, "_loongforge_skips", False):
+        return
+
+    def get(self) -> int:
+        return self.__dict__.get("_lf_skip_offset", 0) + self.basic_optimizer.skipped_steps
+
+    def set_(self, value: int) -> None:  # DeepSpeed's __init__ (0) and load_checkpoint
+        self.__dict__["_lf_skip_offset"] = int(value) - self.basic_optimizer.skipped_steps
+
+    offset = engine.__dict__.pop("skipped_steps", 0)
+    engine.__class__ = type(base.__name__, (base,), {"skipped_steps": property(get, set_), "_loongforge_skips": True,
+                                                     "__module__": base.__module__})
+    engine.__dict__["_lf_skip_offset"] = int(offset)
 
 
 def _world_all_reduce(stats: torch.Tensor) -> None:
@@ -164,7 +310,11 @@ def _fused_zero_step(zero, closure=None):
         zero.averaged_gradients[i] = None
         zero.all_grad_tensors[i] = None
     optimizer = zero.loongforge_optimizer
-    optimizer.step(inv_scale=1.0 / zero.loss_scale)
+    scaler = zero.loss_scaler
+    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
+    optimizer.step(inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
+    if device_scaler:
+        scaler.update(optimizer.last_stats)
     zero._global_grad_norm = optimizer.last_grad_norm
     zero._lazy_init_hp_params_optimizer_state()
     for i in range(len(zero.bit16_groups)):

@@ -120,8 +120,9 @@ class FusedAdamWClip(torch.optim.Optimizer):
         return buckets
 
     @torch.no_grad()
-    def step(self, closure=None, *, inv_scale: float = 1.0):
-        """One step. ``inv_scale``: 1 / loss scale of fp16 training (grads are unscaled on the fly)."""
+    def step(self, closure=None, *, inv_scale: float | torch.Tensor = 1.0):
+        """One step. ``inv_scale``: 1 / loss scale of fp16 training (grads are unscaled on the fly); a number,
+        or a float32 one-element device tensor (a dynamic loss scale that never leaves the device)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -265,3 +265,32 @@ def test_step_without_any_grad_is_a_no_op():
     opt = FusedAdamWClip([p], impl="cpu")
     opt.step()
     assert not opt.state and opt.last_grad_norm is None and opt.skipped_steps == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_device_tensor_inv_scale_equals_the_same_number(impl):
+    """A dynamic fp16 loss scale lives on the device: its inverse passed as a tensor steps exactly like the
+    same value passed as a number, and grads scaled by S with inv_scale 1/S (S a power of two) step like the
+    unscaled grads, norm included."""
+    device = _device(impl)
+    scale = 1024.0
+    a, b, c = _params(SHAPES, device), None, None
+    b, c = _clone(a), _clone(a)
+    opt_a = FusedAdamWClip(a, lr=1e-2, weight_decay=0.1, max_norm=1.0, impl=impl)
+    opt_b = FusedAdamWClip(b, lr=1e-2, weight_decay=0.1, max_norm=1.0, impl=impl)
+    opt_c = FusedAdamWClip(c, lr=1e-2, weight_decay=0.1, max_norm=1.0, impl=impl)
+    inv_t = torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+    for step in range(4):
+        grads = _grads(SHAPES, device, scale=0.01 * 2 ** step)
+        for p, q, r, g in zip(a, b, c, grads):
+            p.grad, q.grad, r.grad = g * scale, g * scale, g.clone()
+        opt_a.step(inv_scale=1.0 / scale)
+        opt_b.step(inv_scale=inv_t)
+        opt_c.step()
+        for p, q, r in zip(a, b, c):
+            assert torch.equal(p, q)
+            assert torch.equal(p, r)
+        assert torch.equal(opt_a.last_grad_norm, opt_b.last_grad_norm)
+        torch.testing.assert_close(opt_b.last_grad_norm, opt_c.last_grad_norm, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="one float32 element"):
+        opt_b.step(inv_scale=torch.ones(2, device=device))

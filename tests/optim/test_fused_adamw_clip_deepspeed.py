@@ -24,7 +24,7 @@ STEPS = 5
 NAN_STEP = 2       # rank 0's input is nan on this step: every rank must skip it
 LR, WD = 0.02, 0.1
 SPAWN_TIMEOUT_S = 240
-RUNS = [(0, False), (1, False), (2, False), (2, True)]  # (ZeRO stage, bf16)
+RUNS = [(0, False), (1, False), (2, False), (2, True), (0, True)]  # (ZeRO stage, bf16); ZeRO-0 bf16 runs as ZeRO-1
 
 
 def _spawn(fn, world: int, *args) -> None:
@@ -82,6 +82,7 @@ def _worker(rank, world, port, seed, out_dir):
         engine, _, _, _ = initialize(model=model, model_parameters=_groups(model),
                                      config=_config(stage, by_block=stage == 2, bf16=bf16))
         assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.gradient_clipping() == 0.0
+        assert engine.zero_optimization_stage() == (1 if run == (0, True) else stage)
         cast = torch.bfloat16 if bf16 else torch.float32
         norms, params = [], []
         for step, (x, target) in enumerate(batches):
@@ -91,11 +92,13 @@ def _worker(rank, world, port, seed, out_dir):
             params.append([p.detach().float().clone() for p in model.parameters()])
             if run == (2, False) and step == STEPS - 2:
                 engine.save_checkpoint(f"{out_dir}/ckpt", tag="t")
-        results[run] = {"norms": norms, "params": params, "skipped": engine.basic_optimizer.skipped_steps}
+        results[run] = {"norms": norms, "params": params, "skipped": engine.basic_optimizer.skipped_steps,
+                        "engine_skipped": engine.skipped_steps}
         if run == (2, False):  # resume from the checkpoint taken one step before the end and redo the last step
             fresh = _model(seed + 99)
             engine2, *_ = initialize(model=fresh, model_parameters=_groups(fresh), config=_config(stage))
             engine2.load_checkpoint(f"{out_dir}/ckpt", tag="t")
+            results["resumed_skipped"] = engine2.skipped_steps  # the checkpoint's count (1), before a step
             x, target = batches[-1]
             engine2.backward(_loss(engine2, x[rank], target[rank]))
             engine2.step()
@@ -132,7 +135,7 @@ def test_zero0_1_2_two_processes_equal_torch_on_the_global_batch(tmp_path):
         norm_rtol = 5e-2 if run[1] else 1e-5
         for r in range(world):
             got = ranks[r][run]
-            assert got["skipped"] == 1
+            assert got["skipped"] == 1 and got["engine_skipped"] == 1
             for step in range(STEPS):
                 if step == NAN_STEP:
                     assert not torch.isfinite(got["norms"][step])
@@ -148,6 +151,7 @@ def test_zero0_1_2_two_processes_equal_torch_on_the_global_batch(tmp_path):
             for a, b in zip(got["params"][NAN_STEP], got["params"][NAN_STEP - 1]):
                 assert torch.equal(a, b)
     for r in range(world):
+        assert ranks[r]["resumed_skipped"] == 1
         for a, b in zip(ranks[r]["resumed"], ranks[r][2, False]["params"][-1]):
             assert torch.equal(a, b)
 
@@ -179,3 +183,28 @@ def test_config_errors_name_the_value():
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
     with pytest.raises(ValueError, match=r"lr must be a float >= 0, got -1"):
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": -1}}})
+
+
+def test_device_loss_scaler_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
+    """The same overflow sequence through DeepSpeed's host DynamicLossScaler and our device one gives the
+    same scale after every step, for hysteresis 1 and 2, with and without consecutive hysteresis."""
+    from deepspeed.runtime.fp16 import loss_scaler as ds_scaler
+
+    from ds_loongforge.optim.ds_integration import DeviceLossScaler
+
+    monkeypatch.setattr(ds_scaler.dist, "get_rank", lambda *a, **k: 0)  # its log lines ask for the rank
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for hysteresis, consecutive in [(1, False), (2, False), (2, True), (3, True)]:
+        ref = ds_scaler.DynamicLossScaler(init_scale=2.0**10, scale_window=4, min_scale=2.0, delayed_shift=hysteresis,
+                                          consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
+        ours = DeviceLossScaler.like(ref)
+        for step in range(200):
+            overflow = bool(torch.rand((), generator=g) < 0.3)
+            ref.update_scale(overflow)
+            ours.update(torch.tensor([1.0, 1.0 if overflow else 0.0]))
+            assert float(ours.cur_scale) == ref.cur_scale, (hysteresis, consecutive, step)
+            assert ours.cur_hysteresis == ref.cur_hysteresis and ours.cur_iter == ref.cur_iter
+        assert torch.equal(ours.inverse(), 1.0 / ours.cur_scale)
+        assert torch.equal(ours.scale_loss(torch.tensor(3.0)), 3.0 * ours.cur_scale)
+    with pytest.raises(ValueError, match="scale_window"):
+        DeviceLossScaler(init_scale=8.0, scale_window=0)
