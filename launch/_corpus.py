@@ -5,6 +5,9 @@ library topics that ``help()`` shows, about 466 KB of English) and a byte-level 
 three special ids). ``--dataset`` reads a Hugging Face dataset by name, a ``save_to_disk`` folder, or local
 .txt/.json/.jsonl/.parquet/.csv files; ``--tokenizer`` takes any Hugging Face tokenizer instead of bytes.
 
+``random_tokens`` instead draws uniform random ids (seeded) over a whole vocabulary: the e2e benchmark anchors
+(shared/BENCHMARKS.md) trained on such batches.
+
 Documents are tokenized, joined with an end-of-text id and cut into sequences of exactly ``seq_len`` tokens
 (packing: no padding, so every token trains). The held-out split is the last ``eval_fraction`` of the
 documents, so no eval sequence shares text with a training one.
@@ -121,3 +124,18 @@ def pack(documents: list[str], tokenizer, seq_len: int, eval_fraction: float, so
         raise ValueError(f"{source}: too little text for --seq-len {seq_len} "
                          f"({len(train)} train and {len(held_out)} eval sequences)")
     return PackedCorpus(train, held_out, (len(train) + len(held_out)) * seq_len, source)
+
+
+def random_tokens(vocab_size: int, seq_len: int, num_train: int, num_eval: int, seed: int) -> PackedCorpus:
+    """``num_train`` + ``num_eval`` sequences of ``seq_len`` ids drawn uniformly from [0, vocab_size) by a
+    generator seeded with ``seed`` (the same data in every process and variant)."""
+    import torch
+
+    if vocab_size < 2 or seq_len < 2 or num_train < 1 or num_eval < 1:
+        raise ValueError(f"random_tokens: need vocab_size >= 2, seq_len >= 2, num_train >= 1 and num_eval >= 1, "
+                         f"got {vocab_size}, {seq_len}, {num_train}, {num_eval}")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_train + num_eval, seq_len), generator=generator).tolist()
+    rows = [{"input_ids": row} for row in ids]
+    return PackedCorpus(rows[:num_train], rows[num_train:], (num_train + num_eval) * seq_len,
+                        f"random tokens (uniform over {vocab_size} ids, seed {seed})")

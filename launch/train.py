@@ -14,12 +14,28 @@ Model: ``--model tiny | mixtral | finegrained`` (presets below; the last two are
 shapes) or a path to a Hugging Face config.json / model folder. Data: ``--dataset`` (HF dataset name or local
 path, ``--text-column``) else ``pydoc_data``; tokenizer: ``--tokenizer`` (HF name or path) else bytes.
 
-LoongForge: on when the config's "loongforge" block says ``enabled: true`` (``--use-loongforge`` forces it on,
-``--no-loongforge`` runs stock transformers + DeepSpeed). On: ds_loongforge's injection replaces the MoE blocks
+Variants: LoongForge is on when the config's "loongforge" block says ``enabled: true`` (``--use-loongforge``
+forces it on, ``--no-loongforge`` runs stock transformers + DeepSpeed); ``--autoep`` runs stock + DeepSpeed
+AutoEP (adds ``"expert_parallel": {"enabled": true, "autoep_size": 1, "preset_model": "mixtral"}`` to the
+config in memory; implies ``--no-loongforge``). On: ds_loongforge's injection replaces the MoE blocks
 and RMSNorms, the layers' aux losses (load balancing + z-loss) are added to the LM loss, the optimizer follows
 the block (FusedAdamWClip) and, with ``loongforge.sampler.expert_aware``, batches come from the expert-aware
 sampler. Off: the stock model with transformers' own load-balancing loss (router_aux_loss_coef), torch AdamW
 through DeepSpeed, a DistributedSampler.
+
+Data: real text by default; ``--data random`` trains on uniform random token ids over the model's whole vocabulary
+(seeded by ``--seed``, as the e2e anchors in shared/BENCHMARKS.md ran). The presets mixtral/finegrained keep their
+32000-entry embedding with the byte tokenizer (ids < 259), so FLOPs and memory match the benchmark shape.
+
+Benchmark mode (``--timing``, used by launch/bench_e2e.py): a device synchronize at the end of every step, so each
+step's wall time is exact; the summary adds the per-step times, the median over the last half of the steps,
+tokens/s from that median and MFU. Without it the loop itself adds no per-step host sync (tokens are counted on
+the host batch; the loss is read back only at a ``--log-every`` refresh). Peak memory (CUDA) is reported in both modes: ``peak_memory_gib`` is
+torch.cuda.max_memory_allocated over the whole training loop (the counter is reset when the loop starts, after
+the model, engine and sampler are built), ``peak_memory_gib_after_first_step`` resets it after step 1 (one-time
+allocations of the first step excluded). MFU = tokens/s x model FLOPs per token / (``--peak-flops`` x world
+size); model FLOPs per token = 6 x active parameters per token (input embedding excluded, expert parameters
+counted k/E) + 12 x layers x hidden x seq-len for attention scores (causal masking not discounted); None on CPU.
 
 Checkpoints: ``--save-dir D --save-every N`` writes DeepSpeed checkpoints (tag ``step<N>``, plus one at the
 end); ``--resume`` continues from D's latest tag: weights, optimizer, step counter and sampler position.
@@ -86,8 +102,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--use-loongforge", dest="loongforge", action="store_true", default=None)
     group.add_argument("--no-loongforge", dest="loongforge", action="store_false")
+    p.add_argument("--autoep", action="store_true",
+                   help="stock model + DeepSpeed AutoEP (adds the expert_parallel block; implies --no-loongforge)")
+    p.add_argument("--data", choices=("text", "random"), default="text",
+                   help="text: --dataset or pydoc_data; random: seeded uniform token ids over the model's vocabulary")
+    p.add_argument("--timing", action="store_true", help="benchmark mode: synchronize at every step's end and "
+                   "report per-step times, median step time over the last half, tokens/s and MFU")
+    p.add_argument("--peak-flops", type=float, default=989e12,
+                   help="peak dense bf16 FLOP/s per device for MFU (default 989e12: H200 SXM)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines instead)")
     args = p.parse_args(argv)
+    if args.autoep:
+        if args.loongforge:
+            p.error("--autoep runs stock DeepSpeed AutoEP; it cannot be combined with --use-loongforge")
+        args.loongforge = False
+    if args.data == "random" and args.dataset:
+        p.error(f"--data random generates its tokens; drop --dataset {args.dataset!r}")
+    if args.peak_flops <= 0:
+        p.error(f"--peak-flops must be > 0, got {args.peak_flops}")
     if args.resume and not args.save_dir:
         p.error("--resume needs --save-dir (the folder holding the checkpoints)")
     if args.steps < 1:
@@ -97,11 +129,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --- configuration ---------------------------------------------------------------------------------------------
 
-def load_ds_config(path: str, use_loongforge: bool | None) -> tuple[dict, bool]:
+AUTOEP_BLOCK = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
+
+
+def load_ds_config(path: str, use_loongforge: bool | None, autoep: bool = False) -> tuple[dict, bool]:
     """The DeepSpeed config with the loongforge block's ``enabled`` set from the flags; --no-loongforge also
-    turns a "LoongForgeAdamW" optimizer back into DeepSpeed's AdamW."""
+    turns a "LoongForgeAdamW" optimizer back into DeepSpeed's AdamW; ``autoep`` adds AUTOEP_BLOCK as
+    ``expert_parallel`` (stock DeepSpeed's AutoEP replaces the HF MoE blocks inside deepspeed.initialize)."""
     with open(path) as f:
         config = json.load(f)
+    if autoep:
+        config["expert_parallel"] = {**(config.get("expert_parallel") or {}), **AUTOEP_BLOCK}
     block = dict(config.get("loongforge") or {})
     enabled = bool(block.get("enabled", False)) if use_loongforge is None else use_loongforge
     block["enabled"] = enabled
@@ -112,7 +150,27 @@ def load_ds_config(path: str, use_loongforge: bool | None) -> tuple[dict, bool]:
     from ds_loongforge.config import parse_config
 
     parse_config(config)  # a malformed block fails here, naming the key
+    if enabled and (config.get("expert_parallel") or {}).get("enabled"):
+        raise ValueError(f"{path}: LoongForge and DeepSpeed AutoEP (expert_parallel.enabled) both replace the MoE "
+                         "blocks; enable one of them (--no-loongforge runs AutoEP)")
     return config, enabled
+
+
+def variant_name(ds_config: dict, use_loongforge: bool) -> str:
+    if use_loongforge:
+        return "loongforge"
+    return "autoep" if (ds_config.get("expert_parallel") or {}).get("enabled") else "stock"
+
+
+def sequences_per_step(ds_config: dict, world: int) -> int:
+    """Sequences one rank consumes per optimizer step (micro-batch x accumulation), from the config alone."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    accumulation = ds_config.get("gradient_accumulation_steps")
+    if micro is None:
+        if "train_batch_size" not in ds_config:
+            raise ValueError("DeepSpeed config has neither train_micro_batch_size_per_gpu nor train_batch_size")
+        micro = ds_config["train_batch_size"] // ((accumulation or 1) * world)
+    return max(1, int(micro) * int(accumulation or 1))
 
 
 def build_model(name: str, vocab_size: int, seq_len: int, aux_loss_coef: float, stock: bool) -> nn.Module:
@@ -134,6 +192,30 @@ def build_model(name: str, vocab_size: int, seq_len: int, aux_loss_coef: float, 
         raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
     config._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(config)
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> tuple[float, float]:
+    """(training FLOPs per token, active parameters per token) of the stock HF model: 6 x active parameters
+    (input embedding excluded: a lookup, no matmul; parameters under ``.experts.`` counted k/E) + 12 x layers x
+    hidden x seq_len for the attention score and value matmuls (fwd + bwd, causal mask not discounted).
+    Computed before any module replacement, so every variant is charged the same FLOPs."""
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    embedding = model.get_input_embeddings().weight
+    active = 0.0
+    for name, param in model.named_parameters():
+        if param is embedding:
+            continue
+        if ".experts." in name:
+            if not experts or not top_k:
+                raise ValueError(f"parameter {name} looks like an expert's but the model config gives "
+                                 f"num_local_experts={experts}, num_experts_per_tok={top_k}")
+            active += param.numel() * top_k / experts
+        else:
+            active += param.numel()
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 6 * active + attention, active
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -169,10 +251,17 @@ class BatchStream:
             self.consumed += 1
             return batch
 
-    def state_dict(self) -> dict:
-        state = {"epoch": self.epoch, "consumed": self.consumed}
+    def state_dict(self, pending: int = 0) -> dict:
+        """The position after the batches used so far: ``pending`` batches drawn ahead (a prefetcher's) are
+        not used yet. One drawn ahead across an epoch end is the new epoch's first: the position is then
+        (new epoch, 0), the same place as the end of the old one."""
+        consumed = self.consumed - pending
+        if consumed < 0:
+            raise ValueError(f"BatchStream.state_dict: {pending} batches pending but only {self.consumed} drawn in "
+                             f"epoch {self.epoch}")
+        state = {"epoch": self.epoch, "consumed": consumed}
         if self.expert_aware:
-            state["sampler"] = self.loader.batch_sampler.state_dict(consumed=self.consumed if self._it else None)
+            state["sampler"] = self.loader.batch_sampler.state_dict(consumed=consumed if self._it else None)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -185,20 +274,38 @@ class BatchStream:
             self.loader.batch_sampler.close()
 
 
-def build_train_stream(dataset, ds_config, model, micro_batch, rank, world, expert_aware, pad_id) -> BatchStream:
+def build_train_stream(dataset, ds_config, model, micro_batch, rank, world, expert_aware, pad_id,
+                       pin_memory: bool = False) -> BatchStream:
+    """``pin_memory`` (CUDA runs): page-locked host batches, so the non_blocking device copy is asynchronous."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     from ds_loongforge.data import PadCollator, build_dataloader
 
     if expert_aware:
         loader = build_dataloader(dataset, ds_config, model, micro_batch, rank, world, pad_token_id=pad_id,
-                                  drop_last=True)
+                                  drop_last=True, pin_memory=pin_memory)
     else:
         seed = (ds_config.get("loongforge", {}).get("sampler") or {}).get("seed", 0)
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                            collate_fn=PadCollator(pad_id, pad_to_multiple_of=8))
+                            collate_fn=PadCollator(pad_id, pad_to_multiple_of=8), pin_memory=pin_memory)
     return BatchStream(loader, expert_aware)
+
+
+def device_batches(stream: BatchStream, device: torch.device):
+    """THE one place where training batches move to the device: ds_loongforge's DevicePrefetcher copies the
+    next (pinned) batch on a side stream while the current step computes. Yields (device batch, real tokens);
+    the tokens are counted on the host batch before the copy (summing the device mask would block the host
+    on the device every micro-step). The prefetcher holds at most one batch ahead (``pending``): the saved
+    data position subtracts it."""
+    from ds_loongforge.data import DevicePrefetcher
+
+    def host_batches():
+        while True:
+            batch = next(stream)
+            yield batch, int(batch["attention_mask"].sum())
+
+    return DevicePrefetcher(host_batches(), device)
 
 
 # --- loop --------------------------------------------------------------------------------------------------------
@@ -246,6 +353,27 @@ def routing_summary(layers) -> dict:
             "load": mean("max_over_mean_load")}
 
 
+def step_timing(step_times: list[float], step_tokens: list[int], flops_per_token: float,
+                total_peak_flops: float | None) -> dict:
+    """Summary fields of --timing: the median step time over the last half of the steps (100 steps -> the
+    last 50), tokens/s from it and MFU against ``total_peak_flops`` (None: not a CUDA run). Empty lists (no
+    --timing) give None everywhere."""
+    import statistics
+
+    fields = {"step_times": [round(t, 6) for t in step_times], "median_step_s_last_half": None,
+              "tokens_per_s_median": None, "mfu": None}
+    if not step_times:
+        return fields
+    half = len(step_times) // 2
+    median = statistics.median(step_times[half:])
+    tokens_per_step = statistics.fmean(step_tokens[half:])
+    fields["median_step_s_last_half"] = median
+    fields["tokens_per_s_median"] = tokens_per_step / median
+    if total_peak_flops:
+        fields["mfu"] = fields["tokens_per_s_median"] * flops_per_token / total_peak_flops
+    return fields
+
+
 def _free_port() -> int:
     import socket
 
@@ -269,7 +397,7 @@ def main(argv=None) -> dict:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    ds_config, use_lf = load_ds_config(args.deepspeed_config, args.loongforge)
+    ds_config, use_lf = load_ds_config(args.deepspeed_config, args.loongforge, autoep=args.autoep)
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
@@ -285,27 +413,39 @@ def main(argv=None) -> dict:
     from ds_loongforge.config import parse_config
 
     block = parse_config(ds_config)
+    variant = variant_name(ds_config, use_lf)
     tokenizer = _corpus.build_tokenizer(args.tokenizer)
-    if args.dataset:
-        documents = _corpus.dataset_documents(args.dataset, args.text_column, args.dataset_split, args.max_documents)
-        source = args.dataset
-    else:
-        documents = _corpus.pydoc_documents()[:args.max_documents]
-        source = "pydoc_data.topics (CPython documentation)"
-    corpus = _corpus.pack(documents, tokenizer, args.seq_len, args.eval_fraction, source)
-    logger.info("data: %s, %d train + %d eval sequences of %d tokens (%s tokenizer, vocab %d)", corpus.source,
-                len(corpus.train), len(corpus.eval), args.seq_len, tokenizer.name, tokenizer.vocab_size)
-
     torch.manual_seed(args.seed)
     model = build_model(args.model, tokenizer.vocab_size, args.seq_len, block.moe.aux_loss_coef, stock=not use_lf)
+    model_vocab = model.get_input_embeddings().weight.shape[0]
+    flops_per_token, active_params = model_flops_per_token(model, args.seq_len)
+    experts_impl = getattr(model.config, "_experts_implementation", None)
+
+    if args.data == "random":
+        per_step = sequences_per_step(ds_config, world)
+        corpus = _corpus.random_tokens(model_vocab, args.seq_len, num_train=args.steps * per_step * world,
+                                       num_eval=max(1, args.eval_batches) * per_step * world, seed=args.seed)
+    else:
+        if args.dataset:
+            documents = _corpus.dataset_documents(args.dataset, args.text_column, args.dataset_split,
+                                                  args.max_documents)
+            source = args.dataset
+        else:
+            documents = _corpus.pydoc_documents()[:args.max_documents]
+            source = "pydoc_data.topics (CPython documentation)"
+        corpus = _corpus.pack(documents, tokenizer, args.seq_len, args.eval_fraction, source)
+    logger.info("data: %s, %d train + %d eval sequences of %d tokens (%s tokenizer, vocab %d; model vocab %d)",
+                corpus.source, len(corpus.train), len(corpus.eval), args.seq_len, tokenizer.name,
+                tokenizer.vocab_size, model_vocab)
     if use_lf:
         from ds_loongforge.integrations.inject import inject
 
         inject(model, ds_config)  # logs one line per replaced kind and what was not replaced
     layers = moe_layers(model)
     num_params = sum(p.numel() for p in model.parameters())
-    logger.info("model: %s (%s), %.2fM parameters, LoongForge %s", args.model, type(model).__name__,
-                num_params / 1e6, "on" if use_lf else "off")
+    logger.info("model: %s (%s), %.2fM parameters (%.2fM active per token, %.3g training FLOPs per token), "
+                "variant %s", args.model, type(model).__name__, num_params / 1e6, active_params / 1e6,
+                flops_per_token, variant)
 
     params = [p for p in model.parameters() if p.requires_grad]
     if any(getattr(p, "allreduce", True) is False for p in params):
@@ -321,7 +461,7 @@ def main(argv=None) -> dict:
 
     expert_aware = use_lf and block.sampler.expert_aware and bool(layers)
     stream = build_train_stream(corpus.train, ds_config, engine.module, micro_batch, rank, world, expert_aware,
-                                tokenizer.pad_token_id)
+                                tokenizer.pad_token_id, pin_memory=device.type == "cuda")
     from torch.utils.data import DataLoader
 
     from ds_loongforge.data import PadCollator
@@ -340,9 +480,11 @@ def main(argv=None) -> dict:
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, start_step, stream.epoch,
                     stream.consumed)
 
+    batches = device_batches(stream, device)
+
     def save(step: int) -> None:
         engine.save_checkpoint(args.save_dir, tag=f"step{step}",
-                               client_state={"step": step, "data": stream.state_dict()})
+                               client_state={"step": step, "data": stream.state_dict(pending=batches.pending)})
 
     from tqdm import tqdm
 
@@ -353,18 +495,30 @@ def main(argv=None) -> dict:
     steady_start, steady_tokens = None, 0  # from the end of the first step: op loading and warm-up excluded
     window_tokens, window_start = 0, loop_start
     loss_acc = torch.zeros((), device=device)
+    cuda = device.type == "cuda"
+    step_times, step_tokens, peak_first_step = [], [], None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     step = start_step
     for step in range(start_step + 1, args.steps + 1):
+        step_start, tokens_this_step = time.perf_counter(), 0
         for _ in range(accumulation):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            batch, real = next(batches)
             loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef)
             engine.backward(loss + aux)
             engine.step()
             loss_acc += loss.detach().float() / accumulation
-            real = int(batch["attention_mask"].sum()) * world
-            tokens += real
-            window_tokens += real
-            steady_tokens += real if steady_start is not None else 0
+            tokens_this_step += real * world
+        if args.timing:  # benchmark mode only: the step's device work is finished before its time is taken
+            get_accelerator().synchronize()
+            step_times.append(time.perf_counter() - step_start)
+        step_tokens.append(tokens_this_step)
+        tokens += tokens_this_step
+        window_tokens += tokens_this_step
+        steady_tokens += tokens_this_step if steady_start is not None else 0
+        if cuda and peak_first_step is None:
+            peak_first_step = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         if step % args.log_every == 0 or step == args.steps:
             if dist.is_initialized():
                 dist.all_reduce(loss_acc)
@@ -391,6 +545,8 @@ def main(argv=None) -> dict:
     bar.close()
     loop_end = time.perf_counter()
     elapsed = loop_end - loop_start
+    peak_after_first = torch.cuda.max_memory_allocated(device) if cuda and step > start_step + 1 else None
+    timing = step_timing(step_times, step_tokens, flops_per_token, args.peak_flops * world if cuda else None)
     steady_seconds = loop_end - steady_start if steady_start is not None else 0.0
     eval_loss = evaluate(engine, eval_batches, device)
     if args.save_dir and (not args.save_every or step % args.save_every):
@@ -406,6 +562,12 @@ def main(argv=None) -> dict:
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
         "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.basic_optimizer).__name__,
         "routing": routing_summary(layers),
+        "variant": variant, "data": args.data, "device": device.type, "experts_implementation": experts_impl,
+        "vocab_size": model_vocab, "active_params_per_token": active_params, "model_flops_per_token": flops_per_token,
+        "peak_flops": args.peak_flops if cuda else None, "timing": args.timing, **timing,
+        "peak_memory_gib": (max(peak_first_step, peak_after_first or 0) / 2**30) if peak_first_step is not None
+        else None,
+        "peak_memory_gib_after_first_step": peak_after_first / 2**30 if peak_after_first is not None else None,
     }
     if rank == 0:
         print(json.dumps(summary), flush=True)

@@ -88,6 +88,9 @@ def test_no_loongforge_runs_stock(tmp_path):
     _assert_finite(summary)
     assert not summary["loongforge"] and summary["moe_layers"] == 0 and not summary["expert_aware_sampler"]
     assert "ExpertMaskedMoE:" not in summary["_log"]
+    assert summary["variant"] == "stock" and summary["data"] == "text"
+    # no --timing: no per-step synchronize, so no step times (tokens/s still comes from the loop's wall time)
+    assert summary["step_times"] == [] and summary["median_step_s_last_half"] is None and summary["mfu"] is None
 
 
 def test_deepspeed_launcher_two_cpu_processes_expert_parallel():
