@@ -451,6 +451,32 @@ def router_near_ties_T(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int) -> tor
     return (ids_bf16 != ids_fp32.sort(-1).values).any(-1)
 
 
+def dense_gemm_chain_ms(shape: Shape, timer, device: torch.device) -> float:
+    """The layer's expert-GEMM FLOPs as six dense bf16 products of the same sizes, one after the other (the
+    forward's gate_up and down, and each one's dX and dW), with no routing, permutation or activation: what
+    the GEMMs alone cost when run back to back for as long as the layer runs. The single-product rate that
+    sets the floor is measured on a short burst; a chain this long runs at the power-limited clock."""
+    P, H, I = shape.tokens * shape.top_k, shape.hidden, shape.inter
+    x = torch.randn(P, H, device=device, dtype=DTYPE)
+    w1 = torch.randn(2 * I, H, device=device, dtype=DTYPE)
+    a = torch.randn(P, I, device=device, dtype=DTYPE)
+    w2 = torch.randn(H, I, device=device, dtype=DTYPE)
+    g2 = torch.randn(P, 2 * I, device=device, dtype=DTYPE)
+    dy = torch.randn(P, H, device=device, dtype=DTYPE)
+
+    def chain():
+        x @ w1.t()        # gate_up forward   [P, 2I]
+        a @ w2.t()        # down forward      [P, H]
+        dy @ w2           # down dX           [P, I]
+        dy.t() @ a        # down dW           [H, I]
+        g2 @ w1           # gate_up dX        [P, H]
+        g2.t() @ x        # gate_up dW        [2I, H]
+
+    ms = timer(chain)[0]
+    del x, w1, a, w2, g2, dy
+    return ms
+
+
 def make_input(shape: Shape, gate_EH: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
     """x [1, T, H] with every token routed alike by bf16 and fp32 routers, and the fraction of tokens that
     were redrawn to get there. A near-tie between the K-th and (K+1)-th expert can flip with the router's
@@ -523,6 +549,11 @@ def run_shape(shape: Shape, timer, repeats: int, tflops: float, device: torch.de
 
     reference: dict[str, torch.Tensor] = {}
     rows = []
+    if device.type == "cuda":
+        info["dense_chain_ms"] = dense_gemm_chain_ms(shape, timer, device)
+        info["dense_chain_tflops"] = shape.gemm_flops_fwd_bwd / (info["dense_chain_ms"] * 1e-3) / 1e12
+        print(f"  dense GEMM chain (the layer's 6 GEMMs as dense products, no routing): {info['dense_chain_ms']:.3f} "
+              f"ms = {info['dense_chain_tflops']:.0f} TFLOP/s sustained", flush=True)
     for name, build in VARIANTS.items():
         row = MoERow(shape.name, name, "ok", anchor_ms=anchors.get(name))
         try:
@@ -571,6 +602,10 @@ def summary_lines(rows: list[MoERow], shapes: dict) -> list[str]:
         verdict = "met" if ours.ms <= info["target_ms"] else "missed"
         line = (f"{name}: ours {ours.ms:.2f} ms = {ours.x_floor:.2f}x the floor {info['floor_ms']:.2f} ms "
                 f"(target <= {info['target_ms']} ms: {verdict})")
+        if info.get("dense_chain_ms"):
+            line += (f"; the same GEMMs as a dense chain take {info['dense_chain_ms']:.2f} ms "
+                     f"({info['dense_chain_tflops']:.0f} TFLOP/s sustained): ours = "
+                     f"{ours.ms / info['dense_chain_ms']:.3f}x the dense chain")
         ratios = [f"{v} {r.ms / ours.ms:.2f}" for v, r in by.items() if v != "ours"]
         lines.append(line + ("; time / ours' time: " + ", ".join(ratios) if ratios else ""))
     return lines
@@ -596,7 +631,9 @@ def write_results(name: str, out_dir: Path, env: dict, ceilings: dict, shapes: d
                   f"GEMM floor {info['floor_ms']:.2f} ms ({info['gemm_flops_fwd_bwd'] / 1e12:.2f} TFLOP of expert "
                   f"GEMMs at the measured rate; issue: {info['floor_ms_issue']} ms); target for ours <= "
                   f"{info['target_ms']} ms. "
-                  f"Input tokens redrawn so that bf16 and fp32 routers agree (near-ties): "
+                  + (f"The same GEMMs as six dense products back to back: {info['dense_chain_ms']:.2f} ms "
+                     f"({info['dense_chain_tflops']:.0f} TFLOP/s sustained). " if info.get("dense_chain_ms") else "")
+                  + f"Input tokens redrawn so that bf16 and fp32 routers agree (near-ties): "
                   f"{100 * info['tokens_redrawn_for_router_ties']:.2f}%.", "",
                   "| variant | median ms | p10–p90 ms | x floor | expert-GEMM TFLOP/s | working GiB | "
                   "rel. err vs HF eager (out / dx / max param grad) | anchor ms | what ran / status |",
