@@ -104,6 +104,8 @@ has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or 
 has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.py --out $RES
 # issue 6: the sampler benchmark on the GPU (pre-scan time, peak-memory spread)
 has bench_sampler && step bench_sampler python3 benchmarks/bench_sampler.py --device cuda --out $RES
-# issue 5: the end-to-end A/B benchmark (LF_E2E_ARGS, e.g. "--shape mixtral")
-has bench_e2e && step bench_e2e python3 launch/bench_e2e.py --out $RES ${LF_E2E_ARGS:-}
+# issue 5: the end-to-end A/B benchmark, one step per shape in LF_E2E_SHAPES (default mixtral), LF_E2E_ARGS added
+if has bench_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
+  step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}
+done; fi
 exit 0

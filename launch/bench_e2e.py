@@ -340,6 +340,16 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
              f"{'bf16 ZeRO-2' if meta['gpu'] else 'fp32 ZeRO-0 (CPU smoke run: the numbers mean nothing)'}, "
              "AdamW lr 1e-4 wd 0.01, clip 1.0. One process per variant.", ""]
     lines += markdown_table(results)
+    profiled = [r for r in results if r.status == "ok" and r.train_summary.get("profile")]
+    if profiled:
+        phases = list(profiled[0].train_summary["profile"]["shares"])
+        lines += ["", "Where the step time goes (ds_loongforge.profiler, steps 2..N; share of the window, ms per step):",
+                  "", "| variant | " + " | ".join(phases) + " |", "|---|" + "---:|" * len(phases)]
+        for r in profiled:
+            prof = r.train_summary["profile"]
+            cells = [f"{100 * prof['shares'][k]:.1f}% ({prof['ms_per_step'].get(k, float('nan')):.1f})"
+                     for k in phases]
+            lines.append(f"| {r.variant} | " + " | ".join(cells) + " |")
     lines += ["",
               f"- Timing: a device synchronize at each step's end; median step time over the last half of the "
               f"steps; tokens/s = tokens per step / that median. MFU = tokens/s x "
@@ -415,7 +425,8 @@ def main(argv=None) -> dict:
     base_cmd = [sys.executable, str(TRAIN), "--deepspeed_config", str(config_path), "--model", shape.model,
                 "--seq-len", str(shape.seq_len), "--steps", str(args.steps), "--data", args.data,
                 "--seed", str(args.seed), "--timing", "--log-every", "1", "--eval-every", "0",
-                "--eval-batches", str(args.eval_batches), "--peak-flops", repr(args.peak_flops), "--no-progress"]
+                "--eval-batches", str(args.eval_batches), "--peak-flops", repr(args.peak_flops), "--no-progress",
+                "--profile"]
     print(f"bench_e2e {args.shape}: variants {', '.join(args.variant_names)}; logs and config in {log_dir}",
           flush=True)
 

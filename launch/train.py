@@ -108,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="text: --dataset or pydoc_data; random: seeded uniform token ids over the model's vocabulary")
     p.add_argument("--timing", action="store_true", help="benchmark mode: synchronize at every step's end and "
                    "report per-step times, median step time over the last half, tokens/s and MFU")
+    p.add_argument("--profile", action="store_true", help="ds_loongforge.profiler from the end of the first step to "
+                   "the end of training: time shares of forward, backward, all-to-all, optimizer, data and idle "
+                   "in the summary (\"profile\")")
     p.add_argument("--peak-flops", type=float, default=989e12,
                    help="peak dense bf16 FLOP/s per device for MFU (default 989e12: H200 SXM)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines instead)")
@@ -536,6 +539,14 @@ def main(argv=None) -> dict:
         bar.update(1)
         if steady_start is None:
             steady_start = time.perf_counter()
+            if args.profile and step < args.steps:  # op loading and warm-up excluded, like the steady tokens/s
+                from ds_loongforge import profiler
+
+                profiler.start(engine)
+        if args.profile and step > start_step + 1:
+            from ds_loongforge import profiler
+
+            profiler.record_tokens(tokens_this_step // world)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             eval_loss = evaluate(engine, eval_batches, device)
             if rank == 0:
@@ -543,6 +554,15 @@ def main(argv=None) -> dict:
         if args.save_dir and args.save_every and step % args.save_every == 0:
             save(step)
     bar.close()
+    profile = None
+    if args.profile:
+        from ds_loongforge import profiler
+
+        if profiler.is_active():
+            report = profiler.stop()
+            profile = report.as_dict()
+            if rank == 0:
+                logger.info("profile (steps 2..%d):\n%s", step, report.format())
     loop_end = time.perf_counter()
     elapsed = loop_end - loop_start
     peak_after_first = torch.cuda.max_memory_allocated(device) if cuda and step > start_step + 1 else None
@@ -561,7 +581,7 @@ def main(argv=None) -> dict:
         "loongforge": use_lf, "expert_aware_sampler": expert_aware, "moe_layers": len(layers),
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
         "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.basic_optimizer).__name__,
-        "routing": routing_summary(layers),
+        "routing": routing_summary(layers), "profile": profile,
         "variant": variant, "data": args.data, "device": device.type, "experts_implementation": experts_impl,
         "vocab_size": model_vocab, "active_params_per_token": active_params, "model_flops_per_token": flops_per_token,
         "peak_flops": args.peak_flops if cuda else None, "timing": args.timing, **timing,
