@@ -285,7 +285,10 @@ def _world_all_reduce(stats: torch.Tensor) -> None:
 @torch.no_grad()
 def _fused_zero_step(zero, closure=None):
     """DeepSpeedZeroOptimizer.step (ZeRO-1/2, no offload) with the overflow check, norm and clip passes
-    replaced by one FusedAdamWClip step over every group. Follows DeepSpeed 0.19.8's step line by line."""
+    replaced by one FusedAdamWClip step over every group. Follows DeepSpeed 0.19.8's step, except that the
+    kernel reads each group's flat bf16/fp16 gradient partition as it is and writes the fp32 partition and the
+    bf16/fp16 partition itself (DeepSpeed converts the gradients to an fp32 copy per group and copies the
+    fp32 partition back afterwards: two more passes, and fp32 gradients for every group at once here)."""
     from deepspeed import comm as dist
     from deepspeed.runtime.utils import all_gather_dp_groups
     from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
@@ -293,7 +296,9 @@ def _fused_zero_step(zero, closure=None):
     zero.micro_step_id = INITIAL_MICRO_STEP_ID
     zero._wait_for_offload_copies()
     zero.overflow = False  # a non-finite step is skipped on the device, never reported to the host
+    optimizer = zero.loongforge_optimizer
     fp32_groups = zero.single_partition_of_fp32_groups
+    per_group = []
     for i in range(len(zero.bit16_groups)):
         zero.free_grad_in_param_list(zero.params_not_in_partition[i])
         flat = zero._get_preflattened_grad_partition(i)
@@ -304,23 +309,32 @@ def _fused_zero_step(zero, closure=None):
             else:
                 flat = zero.flatten(zero.averaged_gradients[i])
         assert flat.numel() == zero.partition_size[i], (flat.numel(), zero.partition_size[i])
-        fp32_groups[i].grad = flat.to(fp32_groups[i].dtype)
+        partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
+        low = zero.parallel_partitioned_bit16_groups[i][partition_id]
+        if low.dtype == fp32_groups[i].dtype:  # fp32 training: the fp32 partition is stepped, copied below
+            low = None
+            flat = flat.to(fp32_groups[i].dtype)
+        elif flat.dtype != low.dtype:
+            flat = flat.to(low.dtype)
+        per_group.append((optimizer.param_groups[i], [optimizer.partition_bucket(i, fp32_groups[i], flat, low)]))
+    scaler = zero.loss_scaler
+    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
+    optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
+    if device_scaler:
+        scaler.update(optimizer.last_stats)
+    zero._global_grad_norm = optimizer.last_grad_norm
+    for i in range(len(zero.bit16_groups)):  # the gradients were read in place: release them only now
         zero.free_grad_in_param_list(zero.params_in_partition[i])
         zero._release_preflattened_grad_buffers(i)
         zero.averaged_gradients[i] = None
         zero.all_grad_tensors[i] = None
-    optimizer = zero.loongforge_optimizer
-    scaler = zero.loss_scaler
-    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
-    optimizer.step(inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
-    if device_scaler:
-        scaler.update(optimizer.last_stats)
-    zero._global_grad_norm = optimizer.last_grad_norm
+    del per_group
     zero._lazy_init_hp_params_optimizer_state()
     for i in range(len(zero.bit16_groups)):
-        fp32_groups[i].grad = None
         partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
-        zero.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(fp32_groups[i].data)
+        low = zero.parallel_partitioned_bit16_groups[i][partition_id]
+        if low.dtype == fp32_groups[i].dtype:
+            low.data.copy_(fp32_groups[i].data)
     all_gather_dp_groups(groups_flat=zero.bit16_groups_flat,
                          partitioned_param_groups=zero.parallel_partitioned_bit16_groups,
                          dp_process_group=zero.real_dp_process_group,
@@ -328,4 +342,3 @@ def _fused_zero_step(zero, closure=None):
                          allgather_bucket_size=zero.allgather_bucket_size)
     for i in range(len(zero.bit16_groups)):
         zero._update_model_bit16_weights(i)
-

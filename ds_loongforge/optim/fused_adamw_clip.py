@@ -128,9 +128,17 @@ class FusedAdamWClip(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         per_group = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
+        self.step_buckets(per_group, inv_scale)
+        return loss
+
+    @torch.no_grad()
+    def step_buckets(self, per_group: list[tuple[dict, list[AdamWBucket]]],
+                     inv_scale: float | torch.Tensor = 1.0) -> None:
+        """The two passes over prepared buckets, each with its group's hyper-parameters: what ``step`` does
+        after gathering the grads. DeepSpeed's ZeRO glue calls it with buckets over its flat partitions."""
         all_buckets = [b for _, buckets in per_group for b in buckets]
         if not all_buckets:
-            return loss
+            return
         stats = grad_stats(all_buckets, new_stats(all_buckets[0].device), impl=self.impl)
         if self.stats_hook is not None:
             self.stats_hook(stats)
@@ -142,7 +150,25 @@ class FusedAdamWClip(torch.optim.Optimizer):
         self.last_grad_norm = grad_norm(stats, inv_scale)
         skipped = (stats[1] != 0).to(torch.int64)
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
-        return loss
+
+    def partition_bucket(self, group_index: int, master: torch.Tensor, grad: torch.Tensor,
+                         low_precision: torch.Tensor | None = None) -> AdamWBucket:
+        """One bucket over a flat fp32 partition ``master`` (this optimizer's param of group ``group_index``)
+        and its gradient ``grad``. With ``low_precision`` (the bf16/fp16 partition the model reads), the kernel
+        reads the gradient in that dtype and writes both the fp32 partition and the low-precision one: no fp32
+        copy of the gradients and no separate copy-back pass."""
+        state = self._state_for(master)
+        key = ("partition", group_index)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = AdamWBucket([], [], [], [], [])
+        if low_precision is None:
+            bucket.params, bucket.masters = [master], None
+        else:
+            bucket.params, bucket.masters = [low_precision], [master]
+        bucket.grads = [grad]
+        bucket.exp_avgs, bucket.exp_avg_sqs, bucket.steps = [state["exp_avg"]], [state["exp_avg_sq"]], [state["step"]]
+        return bucket
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Like torch's, except that every state tensor keeps its saved dtype (torch would cast the fp32
