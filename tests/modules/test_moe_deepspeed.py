@@ -223,6 +223,61 @@ def test_global_grad_norm_and_clipping_match_single_process(world, runs, tmp_pat
                                                param_tol)
 
 
+def _fused_norm_worker(rank, world, port, stages, seed, out_dir):
+    """FusedAdamWClip (ds_loongforge.optim.initialize) under expert parallelism: the norm is one all-reduce of
+    the partitions' stats, so it must cover the dense grads once and every expert's grads once."""
+    _setup_env(rank, world, port)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim import FusedAdamWClip, initialize
+
+    reference = _reference(seed)
+    batches = _batches(world, seed)
+    results = {}
+    for stage in stages:
+        net = _deepspeed_net(reference, world, rank)
+        config = _config(stage)
+        config["optimizer"] = {"type": "LoongForgeAdamW", "params": {"lr": ADAM_LR, "weight_decay": 0.1,
+                                                                     "impl": "cpu"}}
+        engine, *_ = initialize(model=net, model_parameters=moe_param_groups(net), config=config)
+        assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.zero_optimization_stage() >= 1
+        norms, params = [], []
+        for x, target in batches:
+            engine.backward(engine(x[rank], target[rank]))
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+            params.append(_params(net))
+        results[stage] = {"norms": norms, "params": params}
+    torch.save(results, f"{out_dir}/fused{rank}.pt")
+
+
+ADAM_LR = 0.01
+
+
+def test_fused_adamw_clip_global_norm_under_expert_parallelism(tmp_path):
+    """2 ranks, each with half the experts, ZeRO-0 (run as ZeRO-1), 1 and 2: FusedAdamWClip's norm and the
+    parameters after each step equal torch AdamW + clip_grad_norm_ in one process holding every expert."""
+    seed, world, stages = int(torch.randint(0, 2**31, ())), 2, (0, 1, 2)
+    _spawn(_fused_norm_worker, world, stages, seed, str(tmp_path))
+    net = _reference(seed)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=ADAM_LR, weight_decay=0.1)
+    want_norms, want_params = [], []
+    for x, target in _batches(world, seed):
+        optimizer.zero_grad()
+        net(x.reshape(-1, H), target.reshape(-1, H)).backward()
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        optimizer.step()
+        want_params.append(_params(net))
+    assert min(want_norms) > CLIP
+    for rank in range(world):
+        results = torch.load(tmp_path / f"fused{rank}.pt")
+        for stage in stages:
+            what = f"FusedAdamWClip, ep_size {world}, ZeRO-{stage}"
+            assert results[stage]["norms"] == pytest.approx(want_norms, rel=1e-5), f"{what}, rank {rank}"
+            for step, params in enumerate(results[stage]["params"]):
+                _assert_rank_matches_reference(params, want_params[step], rank, world, f"{what}, step {step}",
+                                               {"rtol": 1e-5, "atol": 1e-6})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoints
 
