@@ -7,7 +7,7 @@
 
 Default job (expected on a 2-core CPU, no GPU, no download): the "tiny" model (2 layers, hidden 128, 8 experts
 top-2, byte vocabulary), CPython's documentation text, 120 steps of 4 x 256 tokens in 1.5-2.5 minutes; the
-LM loss (mean over 5 steps) falls from 5.22 to 2.56 and the final eval loss is 2.74 (seed 1234; the same
+LM loss (mean over 5 steps) falls from 5.22 to 2.75 and the final eval loss is 2.72 (seed 1234; the same
 numbers under `python` and `deepspeed`).
 
 Model: ``--model tiny | mixtral | finegrained`` (presets below; the last two are the issue's H200 benchmark
@@ -29,13 +29,14 @@ Data: real text by default; ``--data random`` trains on uniform random token ids
 
 Benchmark mode (``--timing``, used by launch/bench_e2e.py): a device synchronize at the end of every step, so each
 step's wall time is exact; the summary adds the per-step times, the median over the last half of the steps,
-tokens/s from that median and MFU. Without it the loop itself adds no per-step host sync (tokens are counted on
-the host batch; the loss is read back only at a ``--log-every`` refresh). Peak memory (CUDA) is reported in both modes: ``peak_memory_gib`` is
-torch.cuda.max_memory_allocated over the whole training loop (the counter is reset when the loop starts, after
-the model, engine and sampler are built), ``peak_memory_gib_after_first_step`` resets it after step 1 (one-time
-allocations of the first step excluded). MFU = tokens/s x model FLOPs per token / (``--peak-flops`` x world
-size); model FLOPs per token = 6 x active parameters per token (input embedding excluded, expert parameters
-counted k/E) + 12 x layers x hidden x seq-len for attention scores (causal masking not discounted); None on CPU.
+tokens/s from that median and MFU. Without it the loop itself adds no per-step host sync (tokens are counted on the
+host batch; the loss is read back only at a ``--log-every`` refresh). Peak memory (CUDA) is reported in both modes:
+``peak_memory_gib`` is torch.cuda.max_memory_allocated over the whole training loop (the counter is reset when the
+loop starts, after the model, engine and sampler are built), ``peak_memory_gib_after_first_step`` resets it after
+step 1 (one-time allocations of the first step excluded). MFU = tokens/s x model FLOPs per token / (``--peak-
+flops`` x world size); model FLOPs per token = 6 x active parameters per token (input embedding excluded, expert
+parameters counted k/E) + 12 x layers x hidden x seq-len for attention scores (causal masking not discounted); None
+on CPU.
 
 Checkpoints: ``--save-dir D --save-every N`` writes DeepSpeed checkpoints (tag ``step<N>``, plus one at the
 end); ``--resume`` continues from D's latest tag: weights, optimizer, step counter and sampler position.

@@ -4,8 +4,9 @@ side-stream device prefetcher.
     loader = build_dataloader(dataset, ds_config, model, batch_size=8)   # rank/world size from torch.distributed
     batches = DevicePrefetcher(loader, engine.device)                   # next batch's copy in flight
 
-Not done yet: DeepSpeed's engine does not call this by itself (``deepspeed.initialize(training_data=...)``
-builds its own loader); the initialize hook in ``integrations/`` is the place to route it here.
+With the config block, ``deepspeed.initialize(training_data=...)`` (through ``ds_loongforge.initialize`` or
+config-only enablement) returns the loader ``build_dataloader`` makes instead of DeepSpeed's own
+(``integrations/deepspeed_hook.py``).
 """
 
 from __future__ import annotations

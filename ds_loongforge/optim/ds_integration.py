@@ -164,7 +164,8 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
         if getattr(zero, flag, None):
             raise NotImplementedError(f"FusedAdamWClip under ZeRO with {flag} is not supported")
     if engine.fp16_enabled() and getattr(zero.loss_scaler, "dynamic", False):
-        zero.loss_scaler = DeviceLossScaler.like(zero.loss_scaler, device=zero.single_partition_of_fp32_groups[0].device)
+        zero.loss_scaler = DeviceLossScaler.like(zero.loss_scaler,
+                                                 device=zero.single_partition_of_fp32_groups[0].device)
     optimizer.stats_hook = _world_all_reduce
     zero.step = _fused_zero_step.__get__(zero)
     zero.loongforge_optimizer = optimizer
