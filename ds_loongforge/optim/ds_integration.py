@@ -212,6 +212,13 @@ class DeviceLossScaler:
         new._last_overflow.fill_(int(scaler.last_overflow_iter))
         return new
 
+    def to(self, device) -> "DeviceLossScaler":
+        """Moves the state to ``device`` (a checkpoint may load it onto the CPU); a no-op when it is there."""
+        if self._scale.device != torch.device(device):
+            for name in ("_scale", "_hysteresis", "_iter", "_last_overflow"):
+                setattr(self, name, getattr(self, name).to(device))
+        return self
+
     @property
     def cur_scale(self) -> torch.Tensor:
         return self._scale
@@ -319,6 +326,11 @@ def _fused_zero_step(zero, closure=None):
             flat = flat.to(low.dtype)
         per_group.append((optimizer.param_groups[i], [optimizer.partition_bucket(i, fp32_groups[i], flat, low)]))
     scaler = zero.loss_scaler
+    if getattr(scaler, "dynamic", False) and not isinstance(scaler, DeviceLossScaler):
+        # a checkpoint written by stock DeepSpeed brought its host scaler back: continue from its state
+        scaler = zero.loss_scaler = DeviceLossScaler.like(scaler)
+    if isinstance(scaler, DeviceLossScaler):
+        scaler.to(fp32_groups[0].device)  # loaded checkpoints map their tensors to the CPU
     device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
     optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
     if device_scaler:

@@ -208,3 +208,20 @@ def test_device_loss_scaler_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
         assert torch.equal(ours.scale_loss(torch.tensor(3.0)), 3.0 * ours.cur_scale)
     with pytest.raises(ValueError, match="scale_window"):
         DeviceLossScaler(init_scale=8.0, scale_window=0)
+
+
+def test_device_loss_scaler_survives_a_checkpoint_round_trip(tmp_path):
+    """DeepSpeed pickles the scaler into the ZeRO checkpoint and may load it onto the CPU: the state comes
+    back exactly, and ``to`` puts it on the step's device."""
+    from ds_loongforge.optim.ds_integration import DeviceLossScaler
+
+    scaler = DeviceLossScaler(init_scale=2.0**12, scale_window=2, delayed_shift=2)
+    for overflow in (0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0):
+        scaler.update(torch.tensor([1.0, overflow]))
+    torch.save({"loss_scaler": scaler}, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=False)["loss_scaler"]
+    assert loaded.to("cpu") is loaded
+    assert float(loaded.cur_scale) == float(scaler.cur_scale) and loaded.cur_iter == scaler.cur_iter == 7
+    assert loaded.cur_hysteresis == scaler.cur_hysteresis
+    if torch.cuda.is_available():
+        assert loaded.to("cuda").cur_scale.device.type == "cuda"
