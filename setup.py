@@ -135,7 +135,8 @@ setup(
         "pydantic>=2",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "accelerate"], "bench": ["matplotlib"]},  # accelerate: the HF Trainer test
+    # accelerate: the HF Trainer test; matplotlib: the benchmarks' plots (bench_e2e's smoke test draws one)
+    extras_require={"test": ["pytest", "accelerate", "matplotlib"], "bench": ["matplotlib"]},
     entry_points={"console_scripts": ["loongforge_report=ds_loongforge.report:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
