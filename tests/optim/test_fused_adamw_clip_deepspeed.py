@@ -24,6 +24,7 @@ STEPS = 5
 NAN_STEP = 2       # rank 0's input is nan on this step: every rank must skip it
 LR, WD = 0.02, 0.1
 SPAWN_TIMEOUT_S = 240
+RESUMED_RUNS = [(2, False), (2, True)]  # checkpointed one step before the end and resumed
 RUNS = [(0, False), (1, False), (2, False), (2, True), (0, True)]  # (ZeRO stage, bf16); ZeRO-0 bf16 runs as ZeRO-1
 
 
@@ -90,19 +91,19 @@ def _worker(rank, world, port, seed, out_dir):
             engine.step()
             norms.append(engine.get_global_grad_norm().clone())
             params.append([p.detach().float().clone() for p in model.parameters()])
-            if run == (2, False) and step == STEPS - 2:
-                engine.save_checkpoint(f"{out_dir}/ckpt", tag="t")
+            if run in RESUMED_RUNS and step == STEPS - 2:
+                engine.save_checkpoint(f"{out_dir}/ckpt{int(bf16)}", tag="t")
         results[run] = {"norms": norms, "params": params, "skipped": engine.basic_optimizer.skipped_steps,
                         "engine_skipped": engine.skipped_steps}
-        if run == (2, False):  # resume from the checkpoint taken one step before the end and redo the last step
+        if run in RESUMED_RUNS:  # resume from the checkpoint taken one step before the end, redo the last step
             fresh = _model(seed + 99)
-            engine2, *_ = initialize(model=fresh, model_parameters=_groups(fresh), config=_config(stage))
-            engine2.load_checkpoint(f"{out_dir}/ckpt", tag="t")
-            results["resumed_skipped"] = engine2.skipped_steps  # the checkpoint's count (1), before a step
+            engine2, *_ = initialize(model=fresh, model_parameters=_groups(fresh), config=_config(stage, bf16=bf16))
+            engine2.load_checkpoint(f"{out_dir}/ckpt{int(bf16)}", tag="t")
+            results["resumed_skipped", run] = engine2.skipped_steps  # the checkpoint's count (1), before a step
             x, target = batches[-1]
-            engine2.backward(_loss(engine2, x[rank], target[rank]))
+            engine2.backward(_loss(engine2, x[rank].to(cast), target[rank].to(cast)))
             engine2.step()
-            results["resumed"] = [p.detach().float().clone() for p in fresh.parameters()]
+            results["resumed", run] = [p.detach().float().clone() for p in fresh.parameters()]
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -151,9 +152,10 @@ def test_zero0_1_2_two_processes_equal_torch_on_the_global_batch(tmp_path):
             for a, b in zip(got["params"][NAN_STEP], got["params"][NAN_STEP - 1]):
                 assert torch.equal(a, b)
     for r in range(world):
-        assert ranks[r]["resumed_skipped"] == 1
-        for a, b in zip(ranks[r]["resumed"], ranks[r][2, False]["params"][-1]):
-            assert torch.equal(a, b)
+        for run in RESUMED_RUNS:  # fp32, and bf16 (the kernel writes the fp32 and bf16 partitions in place)
+            assert ranks[r]["resumed_skipped", run] == 1
+            for a, b in zip(ranks[r]["resumed", run], ranks[r][run]["params"][-1]):
+                assert torch.equal(a, b), run
 
 
 def test_config_selects_and_builds_the_optimizer():
