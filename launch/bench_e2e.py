@@ -357,6 +357,14 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
             cells = [f"{100 * prof['shares'][k]:.1f}% ({prof['ms_per_step'].get(k, float('nan')):.1f})"
                      for k in phases]
             lines.append(f"| {r.variant} | " + " | ".join(cells) + " |")
+    phased = [r for r in results if r.status == "ok" and r.train_summary.get("memory_phases")]
+    if phased:
+        lines += ["", "Memory by phase of step 2 (train.py --memory-phases; GiB peak within the phase / allocated at "
+                  "its end):", ""]
+        for r in phased:
+            cells = [f"{m['phase']} {m['peak_gib']:.2f} / {m['allocated_gib']:.2f}"
+                     for m in r.train_summary["memory_phases"]]
+            lines.append(f"- {r.variant}: " + "; ".join(cells))
     lines += ["",
               f"- Timing: a device synchronize at each step's end; median step time over the last half of the "
               f"steps; tokens/s = tokens per step / that median. MFU = tokens/s x "
@@ -434,7 +442,7 @@ def main(argv=None) -> dict:
                 "--seed", str(args.seed), "--timing", "--log-every", "1", "--eval-every", "0",
                 "--eval-batches", str(args.eval_batches), "--eval-fraction", str(EVAL_FRACTION),
                 "--peak-flops", repr(args.peak_flops), "--no-progress",
-                "--profile"]
+                "--profile", "--memory-phases"]
     print(f"bench_e2e {args.shape}: variants {', '.join(args.variant_names)}; logs and config in {log_dir}",
           flush=True)
 

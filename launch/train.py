@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="text: --dataset or pydoc_data; random: seeded uniform token ids over the model's vocabulary")
     p.add_argument("--timing", action="store_true", help="benchmark mode: synchronize at every step's end and "
                    "report per-step times, median step time over the last half, tokens/s and MFU")
+    p.add_argument("--memory-phases", action="store_true", help="CUDA: allocated and peak memory of each phase "
+                   "(forward, backward, optimizer step) of the second step in the summary (\"memory_phases\"): "
+                   "where the peak is; host counters only, no sync")
     p.add_argument("--profile", action="store_true", help="ds_loongforge.profiler from the end of the first step to "
                    "the end of training: time shares of forward, backward, all-to-all, optimizer, data and idle "
                    "in the summary (\"profile\")")
@@ -501,16 +504,36 @@ def main(argv=None) -> dict:
     loss_acc = torch.zeros((), device=device)
     cuda = device.type == "cuda"
     step_times, step_tokens, peak_first_step = [], [], None
+    memory_phases, phase_peak = [], 0
+
+    def memory_mark(phase: str) -> None:
+        """Allocated now and the peak since the last mark (then reset); host counters, no device sync."""
+        nonlocal phase_peak
+        peak = torch.cuda.max_memory_allocated(device)
+        phase_peak = max(phase_peak, peak)
+        memory_phases.append({"phase": phase, "allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+                              "peak_gib": peak / 2**30})
+        torch.cuda.reset_peak_memory_stats(device)
+
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step = start_step
     for step in range(start_step + 1, args.steps + 1):
         step_start, tokens_this_step = time.perf_counter(), 0
-        for _ in range(accumulation):
+        probe = cuda and args.memory_phases and step == start_step + 2
+        for micro in range(accumulation):
             batch, real = next(batches)
+            if probe:
+                memory_mark(f"until forward {micro}")
             loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef)
+            if probe:
+                memory_mark(f"forward {micro}")
             engine.backward(loss + aux)
+            if probe:
+                memory_mark(f"backward {micro}")
             engine.step()
+            if probe:
+                memory_mark(f"step {micro}")
             loss_acc += loss.detach().float() / accumulation
             tokens_this_step += real * world
         if args.timing:  # benchmark mode only: the step's device work is finished before its time is taken
@@ -566,7 +589,8 @@ def main(argv=None) -> dict:
                 logger.info("profile (steps 2..%d):\n%s", step, report.format())
     loop_end = time.perf_counter()
     elapsed = loop_end - loop_start
-    peak_after_first = torch.cuda.max_memory_allocated(device) if cuda and step > start_step + 1 else None
+    peak_after_first = (max(torch.cuda.max_memory_allocated(device), phase_peak)
+                        if cuda and step > start_step + 1 else None)
     timing = step_timing(step_times, step_tokens, flops_per_token, args.peak_flops * world if cuda else None)
     steady_seconds = loop_end - steady_start if steady_start is not None else 0.0
     eval_loss = evaluate(engine, eval_batches, device)
@@ -589,6 +613,7 @@ def main(argv=None) -> dict:
         "peak_memory_gib": (max(peak_first_step, peak_after_first or 0) / 2**30) if peak_first_step is not None
         else None,
         "peak_memory_gib_after_first_step": peak_after_first / 2**30 if peak_after_first is not None else None,
+        "memory_phases": memory_phases,
     }
     if rank == 0:
         print(json.dumps(summary), flush=True)

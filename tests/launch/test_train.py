@@ -148,3 +148,16 @@ def test_bad_config_block_names_the_key(tmp_path):
     config.write_text(json.dumps({"loongforge": {"enabled": True, "moe": {"ep_sise": 2}}}))
     with pytest.raises(ValueError, match="ep_sise"):
         train.load_ds_config(str(config), None)
+
+
+@pytest.mark.gpu
+def test_memory_phases_on_cuda(tmp_path):
+    """--memory-phases records allocated and peak memory around forward, backward and the optimizer step of
+    step 2 (GPU only: the counters are CUDA's); the overall peak still covers them."""
+    got = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "3", "--memory-phases", "--timing")
+    phases = [m["phase"] for m in got["memory_phases"]]
+    assert phases == ["until forward 0", "forward 0", "backward 0", "step 0"], phases
+    assert all(m["peak_gib"] >= m["allocated_gib"] > 0 for m in got["memory_phases"])
+    # the forward keeps activations for backward: allocated memory grows across it
+    assert got["memory_phases"][1]["allocated_gib"] > got["memory_phases"][0]["allocated_gib"]
+    assert got["peak_memory_gib"] >= max(m["peak_gib"] for m in got["memory_phases"])
