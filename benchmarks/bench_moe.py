@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import RESULTS_DIR, Timer, environment, git_commit
+from benchmarks.harness import RESULTS_DIR, Timer, environment, git_commit, parse_names
 from ds_loongforge.report import package_version
 
 DTYPE = torch.bfloat16
@@ -667,10 +667,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=50,
                         help=f"timed repeats per variant ({', '.join(SLOW_VARIANTS)}: at most {SLOW_REPEATS})")
     args = parser.parse_args()
-    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SHAPES]
-    if unknown or not names:
-        raise ValueError(f"--shapes: unknown {unknown or names}; choose from {', '.join(SHAPES)}")
+    names = parse_names(args.shapes, SHAPES, "--shapes")
 
     from ds_loongforge.ops import set_strict_ops
 

@@ -49,7 +49,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 
 from benchmarks.bench_moe import WallTimer, cpu_environment
-from benchmarks.harness import RESULTS_DIR, Row, Timer, environment, finish_rows, measure_copy_bandwidth, write_results
+from benchmarks.harness import (RESULTS_DIR, Row, Timer, environment, finish_rows, measure_copy_bandwidth,
+                                parse_names, write_results)
 
 LR, BETAS, EPS, WD, MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.01, 1.0
 GRAD_STD = 1e-4  # global norm ~3 over 1e9 params: every step clips, as in training
@@ -263,10 +264,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("LF_RESULTS_DIR", RESULTS_DIR)),
                         help="results directory (default: $LF_RESULTS_DIR or benchmarks/results)")
     args = parser.parse_args()
-    layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    unknown = [s for s in layouts if s not in BYTES_PER_PARAM]
-    if unknown or not layouts:
-        raise ValueError(f"--layouts: unknown {unknown or layouts}; choose from {', '.join(BYTES_PER_PARAM)}")
+    layouts = parse_names(args.layouts, BYTES_PER_PARAM, "--layouts")
 
     from ds_loongforge.ops import set_strict_ops
 

@@ -67,6 +67,15 @@ def environment() -> dict:
     }
 
 
+def parse_names(value: str, choices, flag: str) -> list[str]:
+    """A comma-separated CLI list of names, each one of ``choices`` (an error names the bad ones)."""
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in names if s not in choices]
+    if unknown or not names:
+        raise ValueError(f"{flag}: unknown {unknown or names}; choose from {', '.join(choices)}")
+    return names
+
+
 class Timer:
     def __init__(self, warmup: int = 10, repeats: int = 100, head_start_cycles: int = 2_000_000):
         self.warmup = warmup

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -120,12 +119,6 @@ class VariantResult:
     train_summary: dict = field(default_factory=dict)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_ds_config(gpu: bool, micro_batch: int, data: str) -> dict:
     """The one DeepSpeed config every variant gets (train.py's flags switch the loongforge block on or off and
     add AutoEP's block). GPU: the anchors' settings and ds_configs/1gpu_zero2_bf16.json's loongforge block plus
@@ -149,10 +142,14 @@ def make_ds_config(gpu: bool, micro_batch: int, data: str) -> dict:
     return config
 
 
+_WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _child_env(gpu: bool) -> dict:
-    """One process, world size 1, the way train.py sets it up for `python launch/train.py`, on a fresh port."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    """Without the caller's distributed variables: train.py then sets up its own world of one process on a
+    free port (as for `python launch/train.py`)."""
+    env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
     if not gpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env

@@ -417,6 +417,7 @@ def main(argv=None) -> dict:
     if device.type != "cpu":
         get_accelerator().set_device(args.local_rank)
 
+    from ds_loongforge import profiler
     from ds_loongforge.config import parse_config
 
     block = parse_config(ds_config)
@@ -564,12 +565,8 @@ def main(argv=None) -> dict:
         if steady_start is None:
             steady_start = time.perf_counter()
             if args.profile and step < args.steps:  # op loading and warm-up excluded, like the steady tokens/s
-                from ds_loongforge import profiler
-
                 profiler.start(engine)
         if args.profile and step > start_step + 1:
-            from ds_loongforge import profiler
-
             profiler.record_tokens(tokens_this_step // world)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             eval_loss = evaluate(engine, eval_batches, device)
@@ -580,8 +577,6 @@ def main(argv=None) -> dict:
     bar.close()
     profile = None
     if args.profile:
-        from ds_loongforge import profiler
-
         if profiler.is_active():
             report = profiler.stop()
             profile = report.as_dict()

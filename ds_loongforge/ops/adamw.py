@@ -119,12 +119,10 @@ def grad_stats_reference(buckets: Sequence[AdamWBucket], stats: torch.Tensor) ->
 
 def _grad_scale_reference(stats: torch.Tensor, max_norm: float | None, clip_eps: float,
                           inv_scale: float | torch.Tensor):
-    scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=stats.device).reshape(())
-    inv_scale = scale
-    if max_norm is not None:
-        norm = stats[0].sqrt() * inv_scale
-        scale = (max_norm / (norm + clip_eps)).clamp(max=1.0) * inv_scale
-    return scale
+    inv = torch.as_tensor(inv_scale, dtype=torch.float32, device=stats.device).reshape(())
+    if max_norm is None:
+        return inv
+    return (max_norm / (stats[0].sqrt() * inv + clip_eps)).clamp(max=1.0) * inv
 
 
 @torch.no_grad()

@@ -163,9 +163,7 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     for flag in ("cpu_offload", "torch_autocast_gradscaler", "zenflow"):
         if getattr(zero, flag, None):
             raise NotImplementedError(f"FusedAdamWClip under ZeRO with {flag} is not supported")
-    if engine.fp16_enabled() and getattr(zero.loss_scaler, "dynamic", False):
-        zero.loss_scaler = DeviceLossScaler.like(zero.loss_scaler,
-                                                 device=zero.single_partition_of_fp32_groups[0].device)
+    _device_loss_scaler(zero)
     optimizer.stats_hook = _world_all_reduce
     zero.step = _fused_zero_step.__get__(zero)
     zero.loongforge_optimizer = optimizer
@@ -265,6 +263,18 @@ class DeviceLossScaler:
         self._iter += 1
 
 
+def _device_loss_scaler(zero):
+    """ZeRO's loss scaler, a dynamic one turned into (or kept as) a DeviceLossScaler on the partitions' device:
+    at attach, and at every step, since a loaded checkpoint brings back its pickled scaler (DeepSpeed's host
+    one from a stock checkpoint, or ours mapped onto the CPU)."""
+    scaler = zero.loss_scaler
+    if getattr(scaler, "dynamic", False) and not isinstance(scaler, DeviceLossScaler):
+        scaler = zero.loss_scaler = DeviceLossScaler.like(scaler)
+    if isinstance(scaler, DeviceLossScaler):
+        scaler.to(zero.single_partition_of_fp32_groups[0].device)
+    return scaler
+
+
 def _count_skips_on_engine(engine, optimizer: FusedAdamWClip) -> None:
     """``engine.skipped_steps`` = the optimizer's device count of skipped steps (plus what a loaded
     checkpoint recorded): DeepSpeed counts only host-reported overflows, which this optimizer never reports."""
@@ -306,7 +316,7 @@ def _fused_zero_step(zero, closure=None):
     zero.overflow = False  # a non-finite step is skipped on the device, never reported to the host
     optimizer = zero.loongforge_optimizer
     fp32_groups = zero.single_partition_of_fp32_groups
-    per_group = []
+    per_group, lows = [], []  # lows[i]: group i's fp32 model partition to copy the stepped fp32 one into
     for i in range(len(zero.bit16_groups)):
         zero.free_grad_in_param_list(zero.params_not_in_partition[i])
         flat = zero._get_preflattened_grad_partition(i)
@@ -319,18 +329,12 @@ def _fused_zero_step(zero, closure=None):
         assert flat.numel() == zero.partition_size[i], (flat.numel(), zero.partition_size[i])
         partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
         low = zero.parallel_partitioned_bit16_groups[i][partition_id]
-        if low.dtype == fp32_groups[i].dtype:  # fp32 training: the fp32 partition is stepped, copied below
-            low = None
-            flat = flat.to(fp32_groups[i].dtype)
-        elif flat.dtype != low.dtype:
-            flat = flat.to(low.dtype)
-        per_group.append((optimizer.param_groups[i], [optimizer.partition_bucket(i, fp32_groups[i], flat, low)]))
-    scaler = zero.loss_scaler
-    if getattr(scaler, "dynamic", False) and not isinstance(scaler, DeviceLossScaler):
-        # a checkpoint written by stock DeepSpeed brought its host scaler back: continue from its state
-        scaler = zero.loss_scaler = DeviceLossScaler.like(scaler)
-    if isinstance(scaler, DeviceLossScaler):
-        scaler.to(fp32_groups[0].device)  # loaded checkpoints map their tensors to the CPU
+        fp32_model = low.dtype == fp32_groups[i].dtype  # the fp32 partition is stepped, then copied below
+        lows.append(low if fp32_model else None)
+        flat = flat.to(fp32_groups[i].dtype if fp32_model else low.dtype)  # a no-op unless grads differ
+        per_group.append((optimizer.param_groups[i],
+                          [optimizer.partition_bucket(i, fp32_groups[i], flat, None if fp32_model else low)]))
+    scaler = _device_loss_scaler(zero)
     device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
     optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
     if device_scaler:
@@ -343,11 +347,9 @@ def _fused_zero_step(zero, closure=None):
         zero.all_grad_tensors[i] = None
     del per_group
     zero._lazy_init_hp_params_optimizer_state()
-    for i in range(len(zero.bit16_groups)):
-        partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
-        low = zero.parallel_partitioned_bit16_groups[i][partition_id]
-        if low.dtype == fp32_groups[i].dtype:
-            low.data.copy_(fp32_groups[i].data)
+    for low, fp32 in zip(lows, fp32_groups):
+        if low is not None:
+            low.data.copy_(fp32.data)
     all_gather_dp_groups(groups_flat=zero.bit16_groups_flat,
                          partitioned_param_groups=zero.parallel_partitioned_bit16_groups,
                          dp_process_group=zero.real_dp_process_group,
