@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.bench_moe import DTYPE, SHAPES, build_ours, make_input, make_weights
 from benchmarks.harness import Timer
+from ds_loongforge.diagnostics import format_kernel_timeline
 
 
 def host_syncs(fn) -> list[str]:
@@ -41,9 +42,10 @@ def host_syncs(fn) -> list[str]:
             if "called a synchronizing" in str(w.message)]
 
 
-def timeline(fn, iters: int = 3, top: int = 15) -> dict:
-    from torch.autograd import DeviceType
+def timeline(fn, iters: int = 3, top: int = 25) -> dict:
     from torch.profiler import ProfilerActivity, profile
+
+    from ds_loongforge.diagnostics import kernel_timeline
 
     for _ in range(2):
         fn()
@@ -52,28 +54,7 @@ def timeline(fn, iters: int = 3, top: int = 15) -> dict:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    events = list(prof.events())
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
-    busy = sum(k.time_range.end - k.time_range.start for k in kernels)
-    span = kernels[-1].time_range.end - kernels[0].time_range.start
-    gaps = []
-    for a, b in zip(kernels, kernels[1:]):
-        gap = b.time_range.start - a.time_range.end
-        if gap > 5:
-            during = sorted({c.name for c in cpu_ops
-                             if c.time_range.start < b.time_range.start and c.time_range.end > a.time_range.end})
-            gaps.append((gap, a.name[:70], b.name[:70], during[:6]))
-    gaps.sort(key=lambda g: -g[0])
-    out = {"iters": iters, "kernels_per_iter": len(kernels) / iters, "busy_ms_per_iter": busy / iters / 1e3,
-           "span_ms_per_iter": span / iters / 1e3, "gap_ms_per_iter_over_5us": sum(g[0] for g in gaps) / iters / 1e3,
-           "top_gaps_us": [{"gap_us": round(g[0], 1), "after": g[1], "before": g[2], "cpu_ops_during": g[3]}
-                           for g in gaps[:top]]}
-    by_name: dict[str, float] = {}
-    for k in kernels:
-        by_name[k.name[:90]] = by_name.get(k.name[:90], 0.0) + (k.time_range.end - k.time_range.start) / iters
-    out["kernels_us_per_iter"] = dict(sorted(((n, round(t, 1)) for n, t in by_name.items()), key=lambda kv: -kv[1]))
-    return out
+    return kernel_timeline(prof, iters=iters, top=top)
 
 
 def graph_vs_eager(fn, timer) -> dict:
@@ -133,13 +114,7 @@ def main():
     result["host_syncs"] = host_syncs(step)
     print("host syncs in one fwd+bwd:", len(result["host_syncs"]), *result["host_syncs"], sep="\n  ", flush=True)
     result["timeline"] = timeline(step)
-    t = result["timeline"]
-    print(f"timeline: {t['kernels_per_iter']:.0f} kernels/iter, busy {t['busy_ms_per_iter']:.2f} ms, span "
-          f"{t['span_ms_per_iter']:.2f} ms, gaps > 5 us {t['gap_ms_per_iter_over_5us']:.2f} ms", flush=True)
-    for g in t["top_gaps_us"]:
-        print(f"  {g['gap_us']:8.1f} us  after {g['after']}  before {g['before']}  cpu: {g['cpu_ops_during']}")
-    for name, us in list(t["kernels_us_per_iter"].items())[:25]:
-        print(f"  {us:9.1f} us  {name}")
+    print("timeline:", format_kernel_timeline(result["timeline"]), sep="\n", flush=True)
     result["graph"] = graph_vs_eager(step, timer)
     print("graph vs eager:", result["graph"], flush=True)
     del built, inputs

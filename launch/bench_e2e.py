@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -362,6 +363,23 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
             cells = [f"{m['phase']} {m['peak_gib']:.2f} / {m['allocated_gib']:.2f}"
                      for m in r.train_summary["memory_phases"]]
             lines.append(f"- {r.variant}: " + "; ".join(cells))
+    traced = [r for r in results if r.status == "ok" and (r.train_summary.get("kernels") or {}).get("kernels_per_iter")]
+    if traced:
+        lines += ["", "GPU kernel time per step by phase and category (train.py --kernel-profile; ms per step):", ""]
+        for r in traced:
+            k = r.train_summary["kernels"]
+            lines.append(f"- {r.variant} (steps {k['steps'][0]}..{k['steps'][1]}): busy {k['busy_ms_per_iter']:.1f}, "
+                         f"span {k['span_ms_per_iter']:.1f}; " + ", ".join(
+                             f"{c} {v:.1f}" for c, v in k["category_ms_per_iter"].items()))
+            for phase, cats in k["range_category_ms_per_iter"].items():
+                lines.append(f"  - {phase}: " + ", ".join(f"{c} {v:.1f}" for c, v in cats.items()))
+    peaks = [r for r in results if r.status == "ok" and r.train_summary.get("memory_at_peak")]
+    if peaks:
+        lines += ["", "Blocks alive at the peak of step 2 (train.py --memory-snapshot; GiB, by allocating line):", ""]
+        for r in peaks:
+            m = r.train_summary["memory_at_peak"]
+            lines.append(f"- {r.variant}: peak {m['peak_gib']:.2f} = before the step {m['baseline_gib']:.2f} + "
+                         + "; ".join(f"{e['gib']:.2f} {e['where']}" for e in m["live_at_peak"][:8]))
     lines += ["",
               f"- Timing: a device synchronize at each step's end; median step time over the last half of the "
               f"steps; tokens/s = tokens per step / that median. MFU = tokens/s x "
@@ -402,6 +420,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("LF_RESULTS_DIR", RESULTS_DIR)),
                    help="results directory (default: $LF_RESULTS_DIR or benchmarks/results)")
     p.add_argument("--log-dir", type=Path, default=None, help="per-variant stdout/stderr (default: a temp dir)")
+    p.add_argument("--train-args", default="", help="extra launch/train.py flags for every variant, one string "
+                   "(e.g. \"--kernel-profile 3 --memory-snapshot\" for a diagnosis run)")
     p.add_argument("--no-prebuild-ops", dest="prebuild_ops", action="store_false",
                    help="on a GPU, do not compile LoongForge's CUDA ops in parallel before the variants run")
     args = p.parse_args(argv)
@@ -439,7 +459,7 @@ def main(argv=None) -> dict:
                 "--seed", str(args.seed), "--timing", "--log-every", "1", "--eval-every", "0",
                 "--eval-batches", str(args.eval_batches), "--eval-fraction", str(EVAL_FRACTION),
                 "--peak-flops", repr(args.peak_flops), "--no-progress",
-                "--profile", "--memory-phases"]
+                "--profile", "--memory-phases", *shlex.split(args.train_args)]
     print(f"bench_e2e {args.shape}: variants {', '.join(args.variant_names)}; logs and config in {log_dir}",
           flush=True)
 

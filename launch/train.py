@@ -46,6 +46,7 @@ The last line on stdout (rank 0) is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -115,6 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="ds_loongforge.profiler from the end of the first step to "
                    "the end of training: time shares of forward, backward, all-to-all, optimizer, data and idle "
                    "in the summary (\"profile\")")
+    p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                   help="CUDA: torch.profiler over N steps (from step 6, or the last N): kernel time by category, "
+                   "by phase (forward, loss, backward, step) and the top kernels, in the summary (\"kernels\")")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="CUDA: record the allocations of step 2 and report the blocks alive at its peak, grouped by "
+                   "the source line that allocated them, in the summary (\"memory_at_peak\")")
     p.add_argument("--peak-flops", type=float, default=989e12,
                    help="peak dense bf16 FLOP/s per device for MFU (default 989e12: H200 SXM)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines instead)")
@@ -321,9 +328,11 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def forward_losses(engine, batch, layers, stock_aux_coef):
-    out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    loss = lm_loss(out.logits, batch["labels"])
+def forward_losses(engine, batch, layers, stock_aux_coef, annotate=contextlib.nullcontext):
+    with annotate("forward"):
+        out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    with annotate("loss"):
+        loss = lm_loss(out.logits, batch["labels"])
     if layers:
         aux = sum(m.aux_loss for m in layers if m.aux_loss is not None)
     elif getattr(out, "aux_loss", None) is not None:
@@ -358,6 +367,16 @@ def routing_summary(layers) -> dict:
     mean = lambda key: sum(s[key] for s in sums) / len(sums)  # noqa: E731
     return {"sparsity": mean("pair_sparsity"), "idle": mean("idle_expert_fraction"),
             "load": mean("max_over_mean_load")}
+
+
+def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int] | None:
+    """First and last step that --kernel-profile N records: from step 6 (op loading, warm-up and the sampler's
+    first refresh behind), or the last N steps of a shorter run; never the first step."""
+    if n <= 0:
+        return None
+    first = max(start_step + 2, min(start_step + 6, steps - n + 1))
+    last = min(steps, first + n - 1)
+    return (first, last) if first <= last else None
 
 
 def step_timing(step_times: list[float], step_tokens: list[int], flops_per_token: float,
@@ -518,21 +537,35 @@ def main(argv=None) -> dict:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    kernel_window = kernel_profile_window(args.kernel_profile, start_step, args.steps) if cuda else None
+    annotate, kernel_prof, kernels, memory_at_peak = contextlib.nullcontext, None, None, None
     step = start_step
     for step in range(start_step + 1, args.steps + 1):
         step_start, tokens_this_step = time.perf_counter(), 0
         probe = cuda and args.memory_phases and step == start_step + 2
+        snapshot = cuda and args.memory_snapshot and step == start_step + 2
+        if snapshot:
+            snapshot_baseline = torch.cuda.memory_allocated(device)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=4_000_000)
+        if kernel_window and step == kernel_window[0]:
+            get_accelerator().synchronize()
+            kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                             torch.profiler.ProfilerActivity.CUDA])
+            kernel_prof.__enter__()
+            annotate = torch.profiler.record_function
         for micro in range(accumulation):
             batch, real = next(batches)
             if probe:
                 memory_mark(f"until forward {micro}")
-            loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef)
+            loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef, annotate)
             if probe:
                 memory_mark(f"forward {micro}")
-            engine.backward(loss + aux)
+            with annotate("backward"):
+                engine.backward(loss + aux)
             if probe:
                 memory_mark(f"backward {micro}")
-            engine.step()
+            with annotate("step"):
+                engine.step()
             if probe:
                 memory_mark(f"step {micro}")
             loss_acc += loss.detach().float() / accumulation
@@ -540,6 +573,24 @@ def main(argv=None) -> dict:
         if args.timing:  # benchmark mode only: the step's device work is finished before its time is taken
             get_accelerator().synchronize()
             step_times.append(time.perf_counter() - step_start)
+        if snapshot:
+            from ds_loongforge.diagnostics import format_memory_at_peak, memory_at_peak as at_peak
+
+            memory_at_peak = at_peak(torch.cuda.memory._snapshot(), device.index or 0, snapshot_baseline)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            if rank == 0:
+                logger.info("memory at the peak of step %d:\n%s", step, format_memory_at_peak(memory_at_peak))
+        if kernel_window and step == kernel_window[1]:
+            from ds_loongforge.diagnostics import format_kernel_timeline, kernel_timeline
+
+            get_accelerator().synchronize()
+            kernel_prof.__exit__(None, None, None)
+            annotate = contextlib.nullcontext
+            kernels = kernel_timeline(kernel_prof, iters=kernel_window[1] - kernel_window[0] + 1, top=40)
+            kernels["steps"] = list(kernel_window)
+            kernel_prof = None
+            if rank == 0:
+                logger.info("kernels of steps %d..%d:\n%s", *kernel_window, format_kernel_timeline(kernels))
         step_tokens.append(tokens_this_step)
         tokens += tokens_this_step
         window_tokens += tokens_this_step
@@ -608,7 +659,7 @@ def main(argv=None) -> dict:
         "peak_memory_gib": (max(peak_first_step, peak_after_first or 0) / 2**30) if peak_first_step is not None
         else None,
         "peak_memory_gib_after_first_step": peak_after_first / 2**30 if peak_after_first is not None else None,
-        "memory_phases": memory_phases,
+        "memory_phases": memory_phases, "kernels": kernels, "memory_at_peak": memory_at_peak,
     }
     if rank == 0:
         print(json.dumps(summary), flush=True)

@@ -161,3 +161,32 @@ def test_memory_phases_on_cuda(tmp_path):
     # the forward keeps activations for backward: allocated memory grows across it
     assert got["memory_phases"][1]["allocated_gib"] > got["memory_phases"][0]["allocated_gib"]
     assert got["peak_memory_gib"] >= max(m["peak_gib"] for m in got["memory_phases"])
+
+
+@pytest.mark.gpu
+def test_kernel_profile_and_memory_snapshot_on_cuda(tmp_path):
+    """--kernel-profile splits the GPU kernel time of the profiled steps by phase and category (GEMMs inside the
+    forward and backward, the optimizer step's own kernels inside "step"); --memory-snapshot replays step 2's
+    allocations to their peak, which matches the peak the CUDA counters saw within the allocator's rounding."""
+    got = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "4", "--kernel-profile", "2",
+                 "--memory-snapshot", "--memory-phases")
+    k = got["kernels"]
+    assert k["steps"] == [3, 4], k["steps"]
+    assert k["kernels_per_iter"] > 10 and 0 < k["busy_ms_per_iter"] <= k["span_ms_per_iter"]
+    ranges = k["range_category_ms_per_iter"]
+    assert {"forward", "loss", "backward", "step"} <= set(ranges), sorted(ranges)
+    assert ranges["forward"].get("gemm", 0) > 0 and ranges["backward"].get("gemm", 0) > 0, ranges
+    assert abs(sum(v["total"] for v in ranges.values()) - sum(k["category_ms_per_iter"].values())) < 1e-2
+    m = got["memory_at_peak"]
+    assert m["events"] > 0 and m["peak_above_baseline_gib"] > 0 and m["live_at_peak"]
+    phase_peak = max(p["peak_gib"] for p in got["memory_phases"])
+    assert abs(m["peak_gib"] - phase_peak) <= 0.05 * phase_peak + 0.01, (m["peak_gib"], phase_peak)
+
+
+def test_kernel_profile_window():
+    assert train.kernel_profile_window(0, 0, 100) is None
+    assert train.kernel_profile_window(3, 0, 100) == (6, 8)
+    assert train.kernel_profile_window(3, 0, 5) == (3, 5)  # a short run: its last steps, never the first
+    assert train.kernel_profile_window(5, 0, 4) == (2, 4)
+    assert train.kernel_profile_window(2, 10, 20) == (16, 17)  # a resumed run counts from its start
+    assert train.kernel_profile_window(3, 0, 1) is None

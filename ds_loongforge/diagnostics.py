@@ -1,0 +1,217 @@
+"""Where a GPU step's time and memory go: summaries of a ``torch.profiler`` run and of a CUDA memory history.
+
+Used by ``launch/train.py --kernel-profile / --memory-snapshot`` and ``benchmarks/diagnose_moe.py``; the
+summaries are plain dicts (JSON), small enough to keep next to a benchmark's numbers.
+
+- :func:`kernel_timeline`: GPU busy time, span and the gaps between kernels (with the host ops running during
+  each gap), time per kernel category (GEMM, attention, our fused ops, optimizer, copies, elementwise,
+  reductions, communication), time per annotated range (``torch.profiler.record_function`` names, e.g. the
+  training loop's ``forward`` / ``loss`` / ``backward`` / ``step``) split by category, and the top kernels.
+- :func:`memory_at_peak`: replays a ``torch.cuda.memory._snapshot()`` trace to the moment the allocated bytes
+  peaked and groups the blocks alive then by the first source line outside torch that allocated them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any, Iterable
+
+# first match wins; names are lower-cased kernel names as the CUDA profiler reports them
+KERNEL_CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
+    ("communication", re.compile(r"nccl|all_?to_?all|allreduce|gloo")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn.*mha")),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|wgmma|sm90_|sm80_|cublas|grouped_mm|matmul")),
+    ("loongforge", re.compile(r"rmsnorm|swiglu|permute|unpermute|sumsq|adamw|bump_steps|lf_|moe_")),
+    ("optimizer", re.compile(r"multi_tensor|adam|lamb|fused_optim")),
+    ("copy", re.compile(r"memcpy|memset|copy|cat_|catarray|index_put|scatter|gather|fill")),
+    ("reduction", re.compile(r"reduce|softmax|norm|argmax|topk|sort|cumsum|scan|sum_")),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|triton")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, pattern in KERNEL_CATEGORIES:
+        if pattern.search(lowered):
+            return category
+    return "other"
+
+
+def _intervals_overlap(start: float, end: float, ranges: list[tuple[float, float, str]]) -> str | None:
+    """The innermost annotation holding the kernel's midpoint (ranges sorted by start; nested ranges are
+    shorter, so the last containing one wins)."""
+    mid, found = (start + end) / 2, None
+    for a, b, name in ranges:
+        if a > mid:
+            break
+        if a <= mid <= b:
+            found = name
+    return found
+
+
+def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float = 5.0,
+                    annotations: Iterable[str] | None = None) -> dict[str, Any]:
+    """Summarise the CUDA kernels of a finished ``torch.profiler.profile`` that ran ``iters`` iterations:
+    per-iteration milliseconds throughout. ``annotations``: the ``record_function`` names whose GPU ranges
+    (the profiler's ``gpu_user_annotation`` events) split the time; by default every such name seen."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    wanted = set(annotations) if annotations is not None else None
+    # kineto reports record_function ranges on the GPU timeline as user-annotation events of the range's name
+    annotated = [e for e in device if getattr(e, "is_user_annotation", False)]
+    ranges = [(e.time_range.start, e.time_range.end, e.name) for e in annotated
+              if wanted is None or e.name in wanted]
+    kernels = [e for e in device if not getattr(e, "is_user_annotation", False)]
+    ranges.sort()
+    kernels.sort(key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"iters": iters, "kernels_per_iter": 0}
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    busy = _union_length([(k.time_range.start, k.time_range.end) for k in kernels])
+    span = max(k.time_range.end for k in kernels) - kernels[0].time_range.start
+    gaps = []
+    frontier = kernels[0].time_range.end
+    previous = kernels[0]
+    for k in kernels[1:]:
+        gap = k.time_range.start - frontier
+        if gap > gap_threshold_us:
+            during = sorted({c.name for c in cpu_ops
+                             if c.time_range.start < k.time_range.start and c.time_range.end > frontier})
+            gaps.append((gap, previous.name[:70], k.name[:70], during[:6]))
+        if k.time_range.end > frontier:
+            frontier, previous = k.time_range.end, k
+    gaps.sort(key=lambda g: -g[0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_category: dict[str, float] = defaultdict(float)
+    by_range: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for k in kernels:
+        duration = (k.time_range.end - k.time_range.start) / iters / 1e3
+        category = kernel_category(k.name)
+        entry = by_name[k.name[:100]]
+        entry[0] += duration
+        entry[1] += 1 / iters
+        by_category[category] += duration
+        where = _intervals_overlap(k.time_range.start, k.time_range.end, ranges) or "(none)"
+        by_range[where][category] += duration
+    ms = lambda value: round(value, 3)  # noqa: E731
+    return {
+        "iters": iters,
+        "kernels_per_iter": len(kernels) / iters,
+        "busy_ms_per_iter": ms(busy / iters / 1e3),
+        "span_ms_per_iter": ms(span / iters / 1e3),
+        "gap_ms_per_iter_over_threshold": ms(sum(g[0] for g in gaps) / iters / 1e3),
+        "gap_threshold_us": gap_threshold_us,
+        "category_ms_per_iter": {c: ms(t) for c, t in sorted(by_category.items(), key=lambda kv: -kv[1])},
+        "range_category_ms_per_iter": {r: {"total": ms(sum(cats.values())),
+                                           **{c: ms(t) for c, t in sorted(cats.items(), key=lambda kv: -kv[1])}}
+                                       for r, cats in by_range.items()},
+        "top_kernels": [{"name": n, "ms_per_iter": ms(t), "calls_per_iter": round(c, 2), "category":
+                         kernel_category(n)}
+                        for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+        "top_gaps_us": [{"gap_us": round(g[0], 1), "after": g[1], "before": g[2], "cpu_ops_during": g[3]}
+                        for g in gaps[:top]],
+    }
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def format_kernel_timeline(t: dict[str, Any], top: int = 25) -> str:
+    if not t.get("kernels_per_iter"):
+        return "no CUDA kernels recorded"
+    lines = [f"{t['kernels_per_iter']:.0f} kernels/iter, busy {t['busy_ms_per_iter']:.2f} ms, span "
+             f"{t['span_ms_per_iter']:.2f} ms, gaps over {t['gap_threshold_us']:g} us "
+             f"{t['gap_ms_per_iter_over_threshold']:.2f} ms",
+             "by category (ms/iter): " + ", ".join(f"{c} {v:.2f}" for c, v in t["category_ms_per_iter"].items())]
+    for r, cats in t["range_category_ms_per_iter"].items():
+        lines.append(f"  {r}: " + ", ".join(f"{c} {v:.2f}" for c, v in cats.items()))
+    lines.append("top kernels (ms/iter, calls/iter):")
+    lines += [f"  {k['ms_per_iter']:8.3f} {k['calls_per_iter']:7.1f}  [{k['category']}] {k['name']}"
+              for k in t["top_kernels"][:top]]
+    lines.append("largest gaps:")
+    lines += [f"  {g['gap_us']:8.1f} us after {g['after']} before {g['before']} cpu: {g['cpu_ops_during']}"
+              for g in t["top_gaps_us"][:10]]
+    return "\n".join(lines)
+
+
+def _frame_key(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame outside torch (and outside this module), with the innermost torch function that
+    allocated: 'transformers/models/mixtral/modeling_mixtral.py:123 forward <- linear'."""
+    inner = None
+    for frame in frames:
+        filename = frame.get("filename", "")
+        name = frame.get("name", "")
+        in_torch = "/torch/" in filename or filename.startswith("<") or filename == "??"
+        if in_torch:
+            if inner is None and name and not name.startswith("_"):
+                inner = name
+            continue
+        if filename.endswith("diagnostics.py"):
+            continue
+        short = "/".join(filename.split("/")[-3:])
+        return f"{short}:{frame.get('line', '?')} {name}" + (f" <- {inner}" if inner else "")
+    return f"(torch internal{': ' + inner if inner else ''})"
+
+
+def memory_at_peak(snapshot: dict[str, Any], device: int = 0, baseline_bytes: int = 0,
+                   top: int = 25) -> dict[str, Any]:
+    """Replay the allocation trace of ``torch.cuda.memory._snapshot()`` (recorded with
+    ``_record_memory_history``) to its peak. ``baseline_bytes``: what was allocated when recording started
+    (those blocks are not in the trace; freeing one lowers the running total). Frees count when requested, as
+    ``memory_allocated`` does."""
+    traces = snapshot.get("device_traces", [])
+    trace = traces[device] if device < len(traces) else []
+    live: dict[int, tuple[int, str]] = {}
+    current = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+    untracked_frees = 0
+    for event in trace:
+        action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
+        if action == "alloc":
+            live[addr] = (size, _frame_key(event.get("frames", [])))
+            current += size
+            if current > peak:
+                peak, peak_live = current, dict(live)
+        elif action == "free_requested":
+            if addr in live:
+                current -= live.pop(addr)[0]
+            else:  # allocated before the recording started: the baseline shrinks
+                untracked_frees += size
+                current -= size
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, key in peak_live.values():
+        groups[key][0] += size
+        groups[key][1] += 1
+    gib = lambda b: round(b / 2**30, 4)  # noqa: E731
+    return {
+        "baseline_gib": gib(baseline_bytes),
+        "peak_above_baseline_gib": gib(peak),
+        "peak_gib": gib(baseline_bytes + peak),
+        "baseline_freed_before_end_gib": gib(untracked_frees),
+        "events": len(trace),
+        "live_at_peak": [{"where": key, "gib": gib(b), "blocks": n}
+                         for key, (b, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def format_memory_at_peak(m: dict[str, Any]) -> str:
+    lines = [f"peak {m['peak_gib']:.2f} GiB = baseline {m['baseline_gib']:.2f} + {m['peak_above_baseline_gib']:.2f} "
+             f"allocated in the recorded window ({m['events']} events)"]
+    lines += [f"  {e['gib']:8.3f} GiB {e['blocks']:5d} blocks  {e['where']}" for e in m["live_at_peak"]]
+    return "\n".join(lines)
+
+
+__all__ = ["KERNEL_CATEGORIES", "kernel_category", "kernel_timeline", "format_kernel_timeline", "memory_at_peak",
+           "format_memory_at_peak"]

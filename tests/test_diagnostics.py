@@ -1,0 +1,109 @@
+"""ds_loongforge.diagnostics on synthetic profiler events and allocation traces (the GPU runs are in
+tests/launch/test_train.py::test_kernel_profile_and_memory_snapshot_on_cuda)."""
+
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from ds_loongforge import diagnostics as d
+
+
+def _event(name, start, end, device=DeviceType.CUDA, annotation=False, parent=None):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                           is_user_annotation=annotation, cpu_parent=parent)
+
+
+class _Prof:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+@pytest.mark.parametrize("name,category", [
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("void rmsnorm_bwd_kernel<__nv_bfloat16, 4>", "loongforge"),
+    ("void adamw_kernel<float, __nv_bfloat16>", "loongforge"),
+    ("void at::native::elementwise_kernel<128, 2, ...>", "elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::reduce_kernel<512, 1, ...>", "reduction"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+    ("some_unknown_kernel", "other"),
+])
+def test_kernel_category(name, category):
+    assert d.kernel_category(name) == category
+
+
+def test_kernel_timeline_busy_gaps_categories_and_ranges():
+    cpu_op = _event("aten::linear", 0, 100, device=DeviceType.CPU)
+    events = [
+        cpu_op,
+        _event("forward", 0, 50, annotation=True),
+        _event("backward", 50, 100, annotation=True),
+        _event("nvjet_sm90_gemm", 0, 20),          # forward gemm
+        _event("elementwise_kernel", 15, 25),      # overlaps the gemm by 5 us (another stream)
+        _event("nvjet_sm90_gemm", 40, 48),         # 15 us gap before it, in the forward
+        _event("reduce_kernel", 60, 70),           # 12 us gap, backward
+        _event("nvjet_sm90_gemm", 72, 100),
+    ]
+    t = d.kernel_timeline(_Prof(events), iters=2, top=10, gap_threshold_us=5)
+    assert t["kernels_per_iter"] == 2.5
+    # busy = union of [0,25], [40,48], [60,70], [72,100] = 25 + 8 + 10 + 28 = 71 us over 2 iterations
+    assert t["busy_ms_per_iter"] == pytest.approx(71 / 2 / 1e3, abs=1e-3)
+    assert t["span_ms_per_iter"] == pytest.approx(100 / 2 / 1e3, abs=1e-3)
+    # gaps over 5 us: 25->40 (15) and 48->60 (12); 70->72 (2) is under the threshold
+    assert [g["gap_us"] for g in t["top_gaps_us"]] == [15.0, 12.0]
+    assert t["top_gaps_us"][0]["cpu_ops_during"] == ["aten::linear"]
+    assert t["gap_ms_per_iter_over_threshold"] == pytest.approx(27 / 2 / 1e3, abs=1e-3)
+    assert t["category_ms_per_iter"]["gemm"] == pytest.approx((20 + 8 + 28) / 2 / 1e3, abs=1e-3)
+    forward, backward = t["range_category_ms_per_iter"]["forward"], t["range_category_ms_per_iter"]["backward"]
+    assert forward["gemm"] == pytest.approx(28 / 2 / 1e3, abs=1e-3)
+    assert forward["elementwise"] == pytest.approx(10 / 2 / 1e3, abs=1e-3)
+    assert backward == {"total": pytest.approx(38 / 2 / 1e3, abs=1e-3), "gemm": pytest.approx(0.014, abs=1e-3),
+                        "reduction": pytest.approx(0.005, abs=1e-3)}
+    assert t["top_kernels"][0]["name"] == "nvjet_sm90_gemm" and t["top_kernels"][0]["calls_per_iter"] == 1.5
+    assert "forward" in d.format_kernel_timeline(t)
+
+
+def test_kernel_timeline_without_kernels():
+    assert d.kernel_timeline(_Prof([_event("aten::add", 0, 1, device=DeviceType.CPU)]))["kernels_per_iter"] == 0
+
+
+def _frames(*pairs):
+    return [{"filename": f, "line": line, "name": n} for f, line, n in pairs]
+
+
+def test_memory_at_peak_replays_to_the_peak_and_groups_by_first_line_outside_torch():
+    model = ("/site/transformers/models/mixtral/modeling_mixtral.py", 120, "forward")
+    loss = ("/repo/launch/train.py", 321, "lm_loss")
+    linear = ("/site/torch/nn/modules/linear.py", 125, "forward")
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(linear, model)},
+        {"action": "alloc", "addr": 2, "size": 300, "frames": _frames(loss)},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": _frames(linear, model)},
+        {"action": "free_requested", "addr": 2, "size": 300},
+        {"action": "free_completed", "addr": 2, "size": 300},
+        {"action": "free_requested", "addr": 99, "size": 70},   # a block from before the recording
+        {"action": "alloc", "addr": 4, "size": 200, "frames": _frames(loss)},
+    ]
+    mib = 2**20
+    for event in trace:
+        event["size"] *= mib
+    m = d.memory_at_peak({"device_traces": [trace]}, baseline_bytes=1000 * mib)
+    # running sums (MiB): 100, 400, 450 (peak), 150, 80, 280
+    assert m["peak_above_baseline_gib"] == pytest.approx(450 / 1024, abs=1e-4)
+    assert m["peak_gib"] == pytest.approx(1450 / 1024, abs=1e-4)
+    assert m["baseline_freed_before_end_gib"] == pytest.approx(70 / 1024, abs=1e-4)
+    where = {e["where"]: (e["gib"] * 1024, e["blocks"]) for e in m["live_at_peak"]}
+    assert where == {"repo/launch/train.py:321 lm_loss": (pytest.approx(300, abs=0.1), 1),
+                     "models/mixtral/modeling_mixtral.py:120 forward <- forward": (pytest.approx(150, abs=0.1), 2)}
+    assert "lm_loss" in d.format_memory_at_peak(m)
+
+
+def test_memory_at_peak_of_an_empty_trace():
+    m = d.memory_at_peak({"device_traces": []}, baseline_bytes=2**30)
+    assert m["peak_gib"] == 1.0 and m["live_at_peak"] == []
