@@ -106,6 +106,7 @@ has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.p
 has bench_sampler && step bench_sampler python3 benchmarks/bench_sampler.py --device cuda --out $RES
 # issue 5: the end-to-end A/B benchmark, one step per shape in LF_E2E_SHAPES (default mixtral), LF_E2E_ARGS added
 if has bench_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
-  step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}
+  # eval: LF_E2E_ARGS keeps its quotes (--train-args "--kernel-profile 3 --memory-snapshot")
+  eval "step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}"
 done; fi
 exit 0
