@@ -150,6 +150,8 @@ class FusedAdamWClip(torch.optim.Optimizer):
         self.last_grad_norm = grad_norm(stats, inv_scale)
         skipped = (stats[1] != 0).to(torch.int64)
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
+        for bucket in all_buckets:  # the cached buckets must not keep this step's gradients alive: under ZeRO
+            bucket.grads = []       # that was a whole flat gradient partition held until the next step
 
     def partition_bucket(self, group_index: int, master: torch.Tensor, grad: torch.Tensor,
                          low_precision: torch.Tensor | None = None) -> AdamWBucket:

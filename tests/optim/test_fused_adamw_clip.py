@@ -294,3 +294,36 @@ def test_device_tensor_inv_scale_equals_the_same_number(impl):
         torch.testing.assert_close(opt_b.last_grad_norm, opt_c.last_grad_norm, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="one float32 element"):
         opt_b.step(inv_scale=torch.ones(2, device=device))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_reference_to_the_gradients_survives_a_step(impl):
+    """The optimizer caches its buckets (and their tensor tables) across steps, but not the gradients: under
+    ZeRO the gradient of a partition bucket is a whole flat partition, and keeping it until the next step
+    held 3.4 GiB more at the e2e Mixtral peak than stock DeepSpeed."""
+    import gc
+    import weakref
+
+    device = _device(impl)
+    p = torch.nn.Parameter(torch.randn(64, device=device))
+    opt = FusedAdamWClip([p], lr=1e-2, max_norm=1.0, impl=impl)
+    for _ in range(2):
+        p.grad = torch.randn(64, device=device)
+        grad = weakref.ref(p.grad)
+        opt.step()
+        p.grad = None
+        gc.collect()
+        assert grad() is None, "the optimizer kept the step's gradient alive"
+
+    master = torch.randn(96, device=device)  # ZeRO's path: a flat fp32 partition, its flat bf16 gradient
+    low = master.to(torch.bfloat16)
+    opt = FusedAdamWClip([torch.nn.Parameter(master)], lr=1e-2, max_norm=1.0, impl=impl)
+    for _ in range(2):
+        flat = torch.randn(96, device=device).to(torch.bfloat16)
+        flat_ref = weakref.ref(flat)
+        bucket = opt.partition_bucket(0, opt.param_groups[0]["params"][0], flat, low)
+        opt.step_buckets([(opt.param_groups[0], [bucket])])
+        del flat, bucket
+        gc.collect()
+        assert flat_ref() is None, "the optimizer kept the flat gradient partition alive"
+    assert torch.equal(low, opt.param_groups[0]["params"][0].detach().to(torch.bfloat16))
