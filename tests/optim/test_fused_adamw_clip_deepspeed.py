@@ -77,13 +77,25 @@ def _worker(rank, world, port, seed, out_dir):
 
     batches = _batches(world, seed)
     results = {}
-    for run in RUNS:
-        stage, bf16 = run
+    # in one process, also each ZeRO-2 run with DeepSpeed's division by 1 and the one-tensor norm all-reduce
+    # restored ("full"): skipping them must change no bit
+    runs = RUNS + ([("full", 2, False), ("full", 2, True)] if world == 1 else [])
+    for run in runs:
+        full = run[0] == "full"
+        stage, bf16 = run[-2:]
         model = _model(seed)
         engine, _, _, _ = initialize(model=model, model_parameters=_groups(model),
                                      config=_config(stage, by_block=stage == 2, bf16=bf16))
         assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.gradient_clipping() == 0.0
         assert engine.zero_optimization_stage() == (1 if run == (0, True) else stage)
+        if engine.zero_optimization_stage() > 0:
+            zero = engine.optimizer
+            assert zero.gradient_average == (world > 1), "the division by 1 is skipped only in one process"
+            assert (engine.basic_optimizer.stats_hook is None) == (world == 1)
+            if full:
+                from ds_loongforge.optim.ds_integration import _world_all_reduce
+
+                zero.gradient_average, engine.basic_optimizer.stats_hook = True, _world_all_reduce
         cast = torch.bfloat16 if bf16 else torch.float32
         norms, params = [], []
         for step, (x, target) in enumerate(batches):
@@ -125,8 +137,9 @@ def _torch_reference(seed: int, world: int):
 
 
 @pytest.mark.slow
-def test_zero0_1_2_two_processes_equal_torch_on_the_global_batch(tmp_path):
-    seed, world = int(torch.randint(0, 2**31, ())), 2
+@pytest.mark.parametrize("world", [2, 1])
+def test_zero0_1_2_equal_torch_on_the_global_batch(tmp_path, world):
+    seed = int(torch.randint(0, 2**31, ()))
     _spawn(_worker, world, seed, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     ref_norms, ref_params = _torch_reference(seed, world)
@@ -151,6 +164,13 @@ def test_zero0_1_2_two_processes_equal_torch_on_the_global_batch(tmp_path):
             # the nan step changed nothing
             for a, b in zip(got["params"][NAN_STEP], got["params"][NAN_STEP - 1]):
                 assert torch.equal(a, b)
+    if world == 1:  # DeepSpeed's division by 1 and the norm's one-process all-reduce skipped: bitwise the same
+        for stage_bf16 in [(2, False), (2, True)]:
+            full, fast = ranks[0][("full", *stage_bf16)], ranks[0][stage_bf16]
+            for step in range(STEPS):
+                assert torch.equal(full["norms"][step], fast["norms"][step]) or step == NAN_STEP
+                for a, b in zip(full["params"][step], fast["params"][step]):
+                    assert torch.equal(a, b), (stage_bf16, step)
     for r in range(world):
         for run in RESUMED_RUNS:  # fp32, and bf16 (the kernel writes the fp32 and bf16 partitions in place)
             assert ranks[r]["resumed_skipped", run] == 1
