@@ -23,7 +23,7 @@ KERNEL_CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn.*mha")),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|wgmma|sm90_|sm80_|cublas|grouped_mm|matmul")),
     ("loongforge", re.compile(r"rmsnorm|swiglu|permute|unpermute|sumsq|adamw|bump_steps|lf_|moe_")),
-    ("optimizer", re.compile(r"multi_tensor|adam|lamb|fused_optim")),
+    ("optimizer", re.compile(r"multi_tensor|adam|lamb_|fused_optim")),  # not "lamb": lambda functors
     ("copy", re.compile(r"memcpy|memset|copy|cat_|catarray|index_put|scatter|gather|fill")),
     ("reduction", re.compile(r"reduce|softmax|norm|argmax|topk|sort|cumsum|scan|sum_")),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|triton")),

@@ -13,7 +13,8 @@ fp32 and ZeRO-0 as ds_configs/cpu.json. A variant that exits non-zero or runs pa
 its error and the tail of its stderr; the others still run. Results are rewritten after every variant, so a run
 cut short keeps what finished.
 
-Measured per variant (train.py ``--timing``: a synchronize at each step's end): median step time over the last
+Measured per variant (train.py ``--timing``: CUDA events at step ends, no host sync in the loop; ``--train-args
+"--timing sync"`` times as the anchors were, with a synchronize at each step's end): median step time over the last
 half of the steps, tokens/s from it, MFU (train.py's FLOPs-per-token count over ``--peak-flops``), peak
 allocated memory over the training loop, the training loss per step and the held-out eval loss after the last
 step (the same eval sequences for every variant). Speedup = tokens/s over the best stock variant's (stock or
@@ -186,8 +187,12 @@ def run_variant(name: str, base_cmd: list[str], gpu: bool, timeout_s: float, log
         return result
     summary = json.loads(summary_line)
     result.status = "ok"
-    result.train_summary = {k: v for k, v in summary.items() if k not in ("loss_history", "step_times")}
-    result.loss_history = summary["loss_history"]
+    result.train_summary = {k: v for k, v in summary.items()
+                            if k not in ("loss_history", "step_times", "step_losses")}
+    # every step's loss (kept on the device by --timing, read after the loop), else the --log-every windows
+    steps = summary.get("step_losses") or []
+    result.loss_history = ([[summary["start_step"] + i + 1, v] for i, v in enumerate(steps)] if steps
+                           else summary["loss_history"])
     result.step_times = summary["step_times"]
     if summary["median_step_s_last_half"] is not None:
         result.median_step_ms = 1e3 * summary["median_step_s_last_half"]
@@ -381,8 +386,9 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
             lines.append(f"- {r.variant}: peak {m['peak_gib']:.2f} = before the step {m['baseline_gib']:.2f} + "
                          + "; ".join(f"{e['gib']:.2f} {e['where']}" for e in m["live_at_peak"][:8]))
     lines += ["",
-              f"- Timing: a device synchronize at each step's end; median step time over the last half of the "
-              f"steps; tokens/s = tokens per step / that median. MFU = tokens/s x "
+              f"- Timing: train.py --timing, CUDA events at step ends read after the loop (no host sync inside it: "
+              f"the host queues the next step while one runs, idle time counted); median step time over the last "
+              f"half of the steps; tokens/s = tokens per step / that median. MFU = tokens/s x "
               f"{_fmt(meta.get('model_flops_per_token'), '.4g')} FLOPs/token / {meta['peak_flops']:.4g} FLOP/s "
               "(6 x active params per token, experts counted k/E, + 12 x layers x hidden x seq).",
               "- Peak GiB: torch.cuda.max_memory_allocated over the training loop (reset when the loop starts).",
@@ -456,7 +462,7 @@ def main(argv=None) -> dict:
     config_path.write_text(json.dumps(ds_config, indent=2))
     base_cmd = [sys.executable, str(TRAIN), "--deepspeed_config", str(config_path), "--model", shape.model,
                 "--seq-len", str(shape.seq_len), "--steps", str(args.steps), "--data", args.data,
-                "--seed", str(args.seed), "--timing", "--log-every", "1", "--eval-every", "0",
+                "--seed", str(args.seed), "--timing", "events", "--log-every", "10", "--eval-every", "0",
                 "--eval-batches", str(args.eval_batches), "--eval-fraction", str(EVAL_FRACTION),
                 "--peak-flops", repr(args.peak_flops), "--no-progress",
                 "--profile", "--memory-phases", *shlex.split(args.train_args)]

@@ -27,10 +27,16 @@ Data: real text by default; ``--data random`` trains on uniform random token ids
 (seeded by ``--seed``, as the e2e anchors in shared/BENCHMARKS.md ran). The presets mixtral/finegrained keep their
 32000-entry embedding with the byte tokenizer (ids < 259), so FLOPs and memory match the benchmark shape.
 
-Benchmark mode (``--timing``, used by launch/bench_e2e.py): a device synchronize at the end of every step, so each
-step's wall time is exact; the summary adds the per-step times, the median over the last half of the steps,
-tokens/s from that median and MFU. Without it the loop itself adds no per-step host sync (tokens are counted on the
-host batch; the loss is read back only at a ``--log-every`` refresh). Peak memory (CUDA) is reported in both modes:
+Benchmark mode (``--timing``, used by launch/bench_e2e.py): each step's time is measured on the device's own
+timeline, between CUDA events recorded at consecutive step ends (on the CPU: the host clock), and every step's loss
+is kept on the device; both are read once, after the loop. The host never waits for the device inside the loop, so
+it queues the next step while the current one runs, as a training run does: a step's time is the device time from
+the end of the previous step to its own end, idle time included when the host falls behind (``--timing sync``
+instead synchronizes at each step's end and takes the host clock: each step then also pays the host's latency to
+start it, as in shared/BENCHMARKS.md's anchors). The summary adds the per-step times and losses, the median step
+time over the last half of the steps, tokens/s from that median and MFU. Without it the loop itself adds no
+per-step host sync either (tokens are counted on the host batch; the loss is read back only at a ``--log-every``
+refresh). Peak memory (CUDA) is reported in both modes:
 ``peak_memory_gib`` is torch.cuda.max_memory_allocated over the whole training loop (the counter is reset when the
 loop starts, after the model, engine and sampler are built), ``peak_memory_gib_after_first_step`` resets it after
 step 1 (one-time allocations of the first step excluded). MFU = tokens/s x model FLOPs per token / (``--peak-
@@ -108,8 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stock model + DeepSpeed AutoEP (adds the expert_parallel block; implies --no-loongforge)")
     p.add_argument("--data", choices=("text", "random"), default="text",
                    help="text: --dataset or pydoc_data; random: seeded uniform token ids over the model's vocabulary")
-    p.add_argument("--timing", action="store_true", help="benchmark mode: synchronize at every step's end and "
-                   "report per-step times, median step time over the last half, tokens/s and MFU")
+    p.add_argument("--timing", nargs="?", const="events", choices=("events", "sync"), default=None,
+                   help="benchmark mode: per-step times and losses, median step time over the last half, tokens/s "
+                   "and MFU. events (the default): CUDA events at step ends, read after the loop, no sync in it; "
+                   "sync: a device synchronize at each step's end and the host clock (the way shared/BENCHMARKS.md's "
+                   "anchors were timed)")
     p.add_argument("--memory-phases", action="store_true", help="CUDA: allocated and peak memory of each phase "
                    "(forward, backward, optimizer step) of the second step in the summary (\"memory_phases\"): "
                    "where the peak is; host counters only, no sync")
@@ -379,6 +388,22 @@ def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int
     return (first, last) if first <= last else None
 
 
+def _step_mark(cuda: bool):
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _step_times(marks: list, cuda: bool) -> list[float]:
+    """Seconds between consecutive step-end marks (the first mark is the loop's start)."""
+    if cuda:
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
 def step_timing(step_times: list[float], step_tokens: list[int], flops_per_token: float,
                 total_peak_flops: float | None) -> dict:
     """Summary fields of --timing: the median step time over the last half of the steps (100 steps -> the
@@ -537,11 +562,16 @@ def main(argv=None) -> dict:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    step_ends, step_losses = [], []  # --timing: CUDA events (host times on the CPU) at step ends; device losses
+    if args.timing:
+        if args.timing == "sync":
+            get_accelerator().synchronize()
+        step_ends.append(_step_mark(cuda and args.timing == "events"))
     kernel_window = kernel_profile_window(args.kernel_profile, start_step, args.steps) if cuda else None
     annotate, kernel_prof, kernels, memory_at_peak = contextlib.nullcontext, None, None, None
     step = start_step
     for step in range(start_step + 1, args.steps + 1):
-        step_start, tokens_this_step = time.perf_counter(), 0
+        tokens_this_step, step_loss = 0, 0.0
         probe = cuda and args.memory_phases and step == start_step + 2
         snapshot = cuda and args.memory_snapshot and step == start_step + 2
         if snapshot:
@@ -568,11 +598,14 @@ def main(argv=None) -> dict:
                 engine.step()
             if probe:
                 memory_mark(f"step {micro}")
-            loss_acc += loss.detach().float() / accumulation
+            step_loss = step_loss + loss.detach().float() / accumulation
             tokens_this_step += real * world
-        if args.timing:  # benchmark mode only: the step's device work is finished before its time is taken
-            get_accelerator().synchronize()
-            step_times.append(time.perf_counter() - step_start)
+        loss_acc += step_loss
+        if args.timing:  # benchmark mode: an event and the loss stay on the device until the loop ends
+            if args.timing == "sync":
+                get_accelerator().synchronize()
+            step_ends.append(_step_mark(cuda and args.timing == "events"))
+            step_losses.append(step_loss)
         if snapshot:
             from ds_loongforge.diagnostics import format_memory_at_peak, memory_at_peak as at_peak
 
@@ -626,6 +659,9 @@ def main(argv=None) -> dict:
         if args.save_dir and args.save_every and step % args.save_every == 0:
             save(step)
     bar.close()
+    if args.timing:
+        step_times = _step_times(step_ends, cuda and args.timing == "events")
+        step_losses = torch.stack(step_losses).tolist() if step_losses else []
     profile = None
     if args.profile:
         if profiler.is_active():
@@ -660,6 +696,7 @@ def main(argv=None) -> dict:
         else None,
         "peak_memory_gib_after_first_step": peak_after_first / 2**30 if peak_after_first is not None else None,
         "memory_phases": memory_phases, "kernels": kernels, "memory_at_peak": memory_at_peak,
+        "step_losses": [round(v, 6) for v in step_losses],
     }
     if rank == 0:
         print(json.dumps(summary), flush=True)

@@ -33,6 +33,8 @@ class _Prof:
     ("void at::native::reduce_kernel<512, 1, ...>", "reduction"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
     ("some_unknown_kernel", "other"),
+    ("void at::native::elementwise_kernel<128, 4, gpu_kernel_impl_nocast<...lambda()#1...>>", "elementwise"),
+    ("void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>>", "optimizer"),
 ])
 def test_kernel_category(name, category):
     assert d.kernel_category(name) == category

@@ -78,11 +78,15 @@ def test_bench_e2e_tiny_writes_results_and_survives_a_failing_variant(tmp_path, 
     assert run["paths"][0] == out / f"{name}.json"
 
 
-def test_train_timing_and_random_data():
+@pytest.mark.parametrize("mode", [[], ["sync"]], ids=["events", "sync"])
+def test_train_timing_and_random_data(mode):
     summary = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "4", "--no-loongforge", "--timing",
-                     "--data", "random", "--log-every", "1")
+                     *mode, "--data", "random", "--log-every", "1")
     _assert_finite(summary)
-    assert summary["variant"] == "stock" and summary["data"] == "random" and summary["timing"]
+    assert summary["variant"] == "stock" and summary["data"] == "random"
+    assert summary["timing"] == (mode[0] if mode else "events")
+    # every step's loss, kept on the device and read after the loop, equals the per-step log (--log-every 1)
+    assert summary["step_losses"] == pytest.approx([v for _, v in summary["loss_history"]], rel=1e-5)
     assert "random tokens (uniform over 259 ids, seed 1234)" in summary["_log"]
     times = summary["step_times"]
     assert len(times) == 4 and all(t > 0 for t in times)

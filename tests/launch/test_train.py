@@ -38,8 +38,8 @@ def _env() -> dict:
     return env
 
 
-def _summary(cmd: list[str], cwd: Path = ROOT) -> dict:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+def _summary(cmd: list[str], cwd: Path = ROOT, env: dict | None = None) -> dict:
+    proc = subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-4000:]}")
@@ -53,6 +53,13 @@ def _summary(cmd: list[str], cwd: Path = ROOT) -> dict:
 
 def _train(*args: str) -> dict:
     return _summary([sys.executable, str(TRAIN), *FAST, *args])
+
+
+def _train_gpu(*args: str) -> dict:
+    """train.py on the GPU (DeepSpeed's accelerator detected, not forced to the CPU like _train)."""
+    env = _env()
+    env.pop("DS_ACCELERATOR")
+    return _summary([sys.executable, str(TRAIN), *FAST, *args], env=env)
 
 
 def _assert_finite(summary: dict) -> None:
@@ -154,7 +161,8 @@ def test_bad_config_block_names_the_key(tmp_path):
 def test_memory_phases_on_cuda(tmp_path):
     """--memory-phases records allocated and peak memory around forward, backward and the optimizer step of
     step 2 (GPU only: the counters are CUDA's); the overall peak still covers them."""
-    got = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "3", "--memory-phases", "--timing")
+    got = _train_gpu("--deepspeed_config", "ds_configs/1gpu_zero2_bf16.json", "--steps", "3", "--memory-phases",
+                     "--timing")
     phases = [m["phase"] for m in got["memory_phases"]]
     assert phases == ["until forward 0", "forward 0", "backward 0", "step 0"], phases
     assert all(m["peak_gib"] >= m["allocated_gib"] > 0 for m in got["memory_phases"])
@@ -168,8 +176,8 @@ def test_kernel_profile_and_memory_snapshot_on_cuda(tmp_path):
     """--kernel-profile splits the GPU kernel time of the profiled steps by phase and category (GEMMs inside the
     forward and backward, the optimizer step's own kernels inside "step"); --memory-snapshot replays step 2's
     allocations to their peak, which matches the peak the CUDA counters saw within the allocator's rounding."""
-    got = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "4", "--kernel-profile", "2",
-                 "--memory-snapshot", "--memory-phases")
+    got = _train_gpu("--deepspeed_config", "ds_configs/1gpu_zero2_bf16.json", "--steps", "4", "--kernel-profile",
+                     "2", "--memory-snapshot", "--memory-phases")
     k = got["kernels"]
     assert k["steps"] == [3, 4], k["steps"]
     assert k["kernels_per_iter"] > 10 and 0 < k["busy_ms_per_iter"] <= k["span_ms_per_iter"]
