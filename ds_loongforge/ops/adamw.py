@@ -47,6 +47,10 @@ class AdamWBucket:
     exp_avg_sqs: list[torch.Tensor]
     steps: list[torch.Tensor]
     masters: list[torch.Tensor] | None = None
+    # a ZeRO partition bucket over per-parameter gradient pieces: the partition's one step counter, which
+    # the entries' scratch counters (steps) are copied from before the step and into after it
+    shared_step: torch.Tensor | None = field(default=None, repr=False)
+    step_scratch: torch.Tensor | None = field(default=None, repr=False)
     _key: tuple = field(default=(), repr=False)
     _tables: tuple | None = field(default=None, repr=False)
 

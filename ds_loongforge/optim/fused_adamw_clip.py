@@ -152,24 +152,55 @@ class FusedAdamWClip(torch.optim.Optimizer):
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
         for bucket in all_buckets:  # the cached buckets must not keep this step's gradients alive: under ZeRO
             bucket.grads = []       # that was a whole flat gradient partition held until the next step
+            shared = bucket.shared_step
+            if shared is not None:  # a partition bucket over gradient pieces: its scratch counters advanced
+                shared.copy_(bucket.steps[0])  # together (or not at all, on a skipped step)
 
-    def partition_bucket(self, group_index: int, master: torch.Tensor, grad: torch.Tensor,
+    def partition_bucket(self, group_index: int, master: torch.Tensor, grad: torch.Tensor | list[torch.Tensor],
                          low_precision: torch.Tensor | None = None) -> AdamWBucket:
         """One bucket over a flat fp32 partition ``master`` (this optimizer's param of group ``group_index``)
         and its gradient ``grad``. With ``low_precision`` (the bf16/fp16 partition the model reads), the kernel
         reads the gradient in that dtype and writes both the fp32 partition and the low-precision one: no fp32
-        copy of the gradients and no separate copy-back pass."""
+        copy of the gradients and no separate copy-back pass.
+
+        ``grad`` may also be the partition's gradient as a list of pieces that tile it from its start, in order
+        (ZeRO's per-parameter gradient views): the bucket then has one entry per piece over the matching slices
+        of the partition and its moments, so no flat copy of the gradients is made. Every entry needs its own
+        step counter in the kernel; they are scratch copies of the partition's one step, written back after the
+        step (``finish_partition_steps``)."""
         state = self._state_for(master)
         key = ("partition", group_index)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = AdamWBucket([], [], [], [], [])
+        bucket.shared_step = None
+        if isinstance(grad, torch.Tensor):
+            if low_precision is None:
+                bucket.params, bucket.masters = [master], None
+            else:
+                bucket.params, bucket.masters = [low_precision], [master]
+            bucket.grads = [grad]
+            bucket.exp_avgs, bucket.exp_avg_sqs = [state["exp_avg"]], [state["exp_avg_sq"]]
+            bucket.steps = [state["step"]]
+            return bucket
+        sizes = [g.numel() for g in grad]
+        if sum(sizes) > master.numel() or not grad:
+            raise ValueError(f"partition_bucket: gradient pieces of {sum(sizes)} elements in {len(grad)} tensors "
+                             f"do not fit the partition of {master.numel()}")
+        cut = lambda t: list(torch.split(t[:sum(sizes)], sizes))  # noqa: E731
+        masters = cut(master)
         if low_precision is None:
-            bucket.params, bucket.masters = [master], None
+            bucket.params, bucket.masters = masters, None
         else:
-            bucket.params, bucket.masters = [low_precision], [master]
-        bucket.grads = [grad]
-        bucket.exp_avgs, bucket.exp_avg_sqs, bucket.steps = [state["exp_avg"]], [state["exp_avg_sq"]], [state["step"]]
+            bucket.params, bucket.masters = cut(low_precision), masters
+        bucket.grads = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in grad]
+        bucket.exp_avgs, bucket.exp_avg_sqs = cut(state["exp_avg"]), cut(state["exp_avg_sq"])
+        scratch = bucket.step_scratch
+        if scratch is None or scratch.numel() != len(sizes) or scratch.device != master.device:
+            scratch = bucket.step_scratch = torch.empty(len(sizes), dtype=torch.float32, device=master.device)
+        scratch.copy_(state["step"].expand(len(sizes)))  # stream-ordered, no sync
+        bucket.steps = list(scratch.unbind())
+        bucket.shared_step = state["step"]
         return bucket
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -327,3 +327,46 @@ def test_no_reference_to_the_gradients_survives_a_step(impl):
         gc.collect()
         assert flat_ref() is None, "the optimizer kept the flat gradient partition alive"
     assert torch.equal(low, opt.param_groups[0]["params"][0].detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
+def test_partition_bucket_over_gradient_pieces_equals_the_flat_gradient(impl, clip):
+    """ZeRO's path without the flat copy: a partition bucket over the per-parameter gradient views (with a
+    tail the pieces do not cover, like the last rank's alignment padding) updates the partition exactly as
+    the bucket over the flattened gradient does (bitwise without clipping; with clipping the norm is summed
+    in another order), advances the step once (not once per piece), and a non-finite piece skips it all."""
+    device = _device(impl)
+    sizes, tail = [40, 8, 1, 24], 7
+    n = sum(sizes) + tail
+    runs = {}
+    for form in ("flat", "pieces"):
+        torch.manual_seed(0)
+        master = torch.randn(n, device=device)
+        master[sum(sizes):] = 0.0  # ZeRO's alignment padding is zero
+        low = master.to(torch.bfloat16)
+        opt = FusedAdamWClip([torch.nn.Parameter(master)], lr=1e-2, max_norm=clip, weight_decay=0.1, impl=impl)
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            pieces = [torch.randn(k, generator=g).to(device=device, dtype=torch.bfloat16) for k in sizes]
+            if step == 2:
+                pieces[1][3] = float("nan")
+            grad = (torch.cat(pieces + [torch.zeros(tail, dtype=torch.bfloat16, device=device)]) if form == "flat"
+                    else pieces)
+            bucket = opt.partition_bucket(0, opt.param_groups[0]["params"][0], grad, low)
+            opt.step_buckets([(opt.param_groups[0], [bucket])])
+        state = opt.state[opt.param_groups[0]["params"][0]]
+        runs[form] = (master.clone(), low.clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(),
+                      float(state["step"]), opt.skipped_steps)
+    flat, pieces = runs["flat"], runs["pieces"]
+    assert flat[4] == pieces[4] == 3.0 and flat[5] == pieces[5] == 1  # one skipped step of four
+    covered = sum(sizes)
+    for a, b in zip(flat[:4], pieces[:4]):
+        if clip is None:
+            assert torch.equal(a[:covered], b[:covered])
+        else:
+            torch.testing.assert_close(a[:covered], b[:covered], rtol=1e-5, atol=1e-6)
+    # the uncovered tail: the flat bucket stepped it with zero gradients, the pieces bucket left it; on ZeRO's
+    # zero padding both leave zeros
+    for a, b in zip(flat[:4], pieces[:4]):
+        assert torch.equal(a[covered:], b[covered:]) and not a[covered:].any()
