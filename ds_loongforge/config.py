@@ -18,6 +18,15 @@ class _Section(BaseModel):
 class FusedKernelsConfig(_Section):
     rmsnorm: bool = Field(True, description="Replace RMSNorm modules with the fused RMSNorm kernel.")
     swiglu: bool = Field(True, description="Replace SwiGLU MLPs with one gate_up GEMM + the fused SwiGLU(+dropout) kernel.")
+    rope: bool = Field(True, strict=True, description="Replace the family's rotary embedding function with "
+                       "Liger-Kernel's fused RoPE on CUDA (process-wide patch of "
+                       "modeling_<family>.apply_rotary_pos_emb; needs liger-kernel). CPU tensors and inputs Liger "
+                       "cannot take still run transformers' function.")
+    linear_cross_entropy: bool = Field(True, strict=True, description="Compute a causal LM's training loss with the "
+                                       "fused LM head + cross-entropy (ds_loongforge.ops.linear_cross_entropy: "
+                                       "chunked, no full fp32 logits). Training forwards with labels then return "
+                                       "logits=None (the loss, and the MoE aux loss, are as transformers computes "
+                                       "them); forwards without labels, in eval mode or without grad are unchanged.")
 
 
 class MoEConfig(_Section):

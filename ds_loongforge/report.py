@@ -1,7 +1,8 @@
 """``loongforge_report [--verify]``: what ds_report is for DeepSpeed, for the ds_loongforge ops.
 
 One row per op (compatible, prebuilt, JIT-cached) and the versions that decide whether ops build:
-torch, its CUDA, nvcc, NCCL, DeepSpeed, transformers, and the GPU architecture. ``--verify`` builds
+torch, its CUDA, nvcc, NCCL, DeepSpeed, transformers, liger-kernel (whose RoPE ``fused_kernels.rope`` uses),
+and the GPU architecture. ``--verify`` builds
 every compatible op, checks forward and backward against the fp64 reference on random data, prints the
 max error against its tolerance, and exits 1 on any failure. A CUDA op on a machine without a GPU is
 compiled (a build break fails) and its numerical check reported as not run.
@@ -64,6 +65,7 @@ def environment() -> dict[str, str]:
         "NCCL": nccl,
         "DeepSpeed": package_version("deepspeed"),
         "transformers": package_version("transformers"),
+        "liger-kernel": package_version("liger-kernel") + " (fused RoPE, fused_kernels.rope)",
         "ds_loongforge": package_version("ds_loongforge"),
         "GPU": gpu,
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "(unset)"),

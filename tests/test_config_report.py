@@ -29,7 +29,7 @@ def test_report_lists_every_op_and_versions():
     assert out.returncode == 0, out.stderr
     for name in ("lf_fused_rmsnorm", "lf_fused_rmsnorm_cpu", "lf_fused_swiglu", "lf_fused_swiglu_cpu"):
         assert name in out.stdout
-    for key in ("torch:", "torch CUDA:", "nvcc:", "NCCL:", "DeepSpeed:", "transformers:", "GPU:"):
+    for key in ("torch:", "torch CUDA:", "nvcc:", "NCCL:", "DeepSpeed:", "transformers:", "liger-kernel:", "GPU:"):
         assert key in out.stdout
 
 

@@ -1,4 +1,5 @@
-"""``inject(model, config)``: swap a transformers model's RMSNorm, SwiGLU MLP and MoE modules for ours.
+"""``inject(model, config)``: swap a transformers model's RMSNorm, SwiGLU MLP and MoE modules for ours, and its
+family's rotary embedding function for Liger-Kernel's fused RoPE.
 
 Legend (shape suffixes): T tokens, H hidden, I expert intermediate size, E experts, K experts per token.
 
@@ -14,6 +15,15 @@ What each replacement keeps, so that training learns what the stock model would:
   is an instance of the family's router class (``_can_record_outputs``). Our router is re-classed as a
   subclass of both TopKRouter and that class, its forward returns the logits first, as the family's does,
   and hooks already on the replaced modules move to their replacements.
+
+The rotary embedding is a function, not a module: with ``fused_kernels.rope`` (and liger-kernel installed, a
+CUDA device visible), ``modeling_<family>.apply_rotary_pos_emb`` of each family in the model becomes a wrapper
+that runs Liger's kernel on CUDA tensors and the original elsewhere (see ``ds_loongforge.integrations.rope``).
+That patch is process-wide: it applies to every model of the family, injected or not.
+
+With ``fused_kernels.linear_cross_entropy`` the causal LM's training loss is computed by the fused LM head +
+cross-entropy (``ds_loongforge.integrations.fused_loss``): a training forward with labels returns the same loss
+with ``logits=None``; the LM head keeps its Parameter and state-dict key.
 
 Nothing is replaced unless the config's ``enabled`` is true. Modules that look like these kinds but that no
 preset covers, or that a preset cannot convert, are listed in the report with the reason.
@@ -31,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_config
+from ds_loongforge.integrations.fused_loss import KIND_FUSED_LOSS, install_fused_loss, uses_fused_loss  # noqa: F401
 from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
 from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP
 
@@ -40,6 +51,7 @@ KIND_RMSNORM = "fused RMSNorm"
 KIND_MLP = "fused SwiGLU MLP"
 KIND_MOE = "ExpertMaskedMoE"
 KIND_MOE_EP = "DeepSpeedExpertMaskedMoE"
+KIND_ROPE = "fused RoPE"
 OP_IMPL = "auto"
 # class-name endings of modules that look replaceable: listed as not replaced when no preset covers them
 _LOOKALIKE_SUFFIXES = ("RMSNorm", "MLP", "SparseMoeBlock", "MoeBlock", "MoE")
@@ -48,7 +60,10 @@ _LOOKALIKE_SUFFIXES = ("RMSNorm", "MLP", "SparseMoeBlock", "MoeBlock", "MoE")
 @dataclass
 class InjectionReport:
     """What ``inject`` did: modules replaced per kind, modules left as they were (path, reason), the
-    families whose presets matched, and notes on behaviour that differs from the config."""
+    families whose presets matched, and notes on behaviour that differs from the config. Functions (the rotary
+    embedding) are listed apart: ``patched_functions`` maps a kind with its library (``"fused RoPE
+    (liger-kernel 0.8.5)"``) to the ``modeling_<family>.<function>`` it replaced, ``not_patched`` holds
+    (function, reason) for those left alone."""
 
     enabled: bool
     replaced: dict[str, int] = field(default_factory=dict)
@@ -56,6 +71,10 @@ class InjectionReport:
     families: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     already_injected: int = 0  # LoongForge modules found in the model before this call
+    patched_functions: dict[str, list[str]] = field(default_factory=dict)
+    not_patched: list[tuple[str, str]] = field(default_factory=list)
+    fused_loss: str | None = None                # "lm_head of <ModelClass>": the fused linear cross-entropy is on
+    fused_loss_not_installed: str | None = None  # why it is not (causal LMs only)
 
     @property
     def total_replaced(self) -> int:
@@ -71,6 +90,10 @@ class InjectionReport:
         elif not lines:
             lines.append("[LoongForge] inject: no module replaced (no known RMSNorm, SwiGLU MLP or MoE block "
                          "of a supported family, or every kind switched off)")
+        lines += [f"[LoongForge] {kind}: {', '.join(names)}" for kind, names in self.patched_functions.items()
+                  if names]
+        if self.fused_loss:
+            lines.append(f"[LoongForge] {KIND_FUSED_LOSS}: {self.fused_loss}")
         if self.families:
             lines.append(f"[LoongForge] families: {', '.join(self.families)}")
         lines += [f"[LoongForge] note: {note}" for note in self.notes]
@@ -82,6 +105,9 @@ class InjectionReport:
             for reason, paths in by_reason.items():
                 shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4 else "")
                 lines.append(f"[LoongForge]   {shown}: {reason}")
+        lines += [f"[LoongForge] not replaced: {name}: {reason}" for name, reason in self.not_patched]
+        if self.fused_loss_not_installed:
+            lines.append(f"[LoongForge] not replaced: {KIND_FUSED_LOSS}: {self.fused_loss_not_installed}")
         return "\n".join(lines)
 
 
@@ -145,6 +171,9 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
             families[preset.name] += 1
             report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
+    _patch_rope(model, config, report, families)
+    _install_fused_loss(model, config, report)
+
     known = ", ".join(p.name for p, _ in active)
     for path, module in _snapshot(model):
         if path in handled or isinstance(module, ours) or _inside(path, handled):
@@ -157,6 +186,59 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
     for line in report.summary().splitlines():
         logger.info(line)
     return report
+
+
+def _install_fused_loss(model: nn.Module, config: LoongForgeConfig, report: InjectionReport) -> None:
+    """The fused linear cross-entropy on a causal LM (see ``ds_loongforge.integrations.fused_loss``): the report's
+    ``fused_loss`` (``"lm_head of <ModelClass>"``) or ``fused_loss_not_installed`` (why not). Models without an
+    ``lm_head`` that are not ``...ForCausalLM`` classes are not mentioned."""
+    name = type(model).__name__
+    if not (hasattr(model, "lm_head") or name.endswith("ForCausalLM")):
+        return
+    if config.fused_kernels.linear_cross_entropy:
+        reason = install_fused_loss(model)
+    else:
+        reason = "fused_kernels.linear_cross_entropy is false"
+        if uses_fused_loss(model):
+            reason += " (an earlier inject installed it on this model, and it stays on)"
+    if reason:
+        report.fused_loss_not_installed = reason
+    else:
+        report.fused_loss = f"lm_head of {name}"
+
+
+def _patch_rope(model: nn.Module, config: LoongForgeConfig, report: InjectionReport, families: Counter) -> None:
+    """Patch the rotary function of each family whose modeling module defines a class of the model.
+
+    The device rule is the op layer's ``impl="auto"``: decided per call from the tensors' device, since inject may
+    run on a CPU model that DeepSpeed moves to the GPU later. So the patch goes in whenever a CUDA device is
+    visible, and the wrapper runs the original for CPU tensors."""
+    from ds_loongforge.integrations import rope
+    from ds_loongforge.integrations.presets import PRESETS
+
+    in_model = {type(m).__module__ for m in model.modules()}
+    present = [p for p in PRESETS if p.modeling_module in in_model]
+    if not present:
+        return
+    fused, label = (None, "") if not config.fused_kernels.rope else rope.load_liger()
+    for preset in present:
+        short = preset.modeling_module.rpartition(".")[2]
+        name = f"{short}.{preset.rope or 'apply_rotary_pos_emb'}"
+        if preset.rope is None:
+            reason = f"{preset.name}: {preset.rope_why_not or 'no standard rotary function in this preset'}"
+        elif not config.fused_kernels.rope:
+            reason = "fused_kernels.rope is false"
+        elif fused is None:
+            reason = label
+        elif not rope.cuda_visible():
+            reason = "no CUDA device visible (Liger's fused RoPE is a Triton kernel for CUDA tensors)"
+        else:
+            reason = rope.patch(preset.modeling_module, preset.rope, fused, label)
+        if reason:
+            report.not_patched.append((name, reason))
+            continue
+        report.patched_functions.setdefault(f"{KIND_ROPE} ({label})", []).append(name)
+        families[preset.name] += 1
 
 
 def _as_config(config) -> LoongForgeConfig:

@@ -38,6 +38,10 @@ class FamilyPreset:
     rmsnorm: tuple[str, ...] = ()
     mlp: tuple[str, ...] = ()  # dense SwiGLU MLPs: gate_proj, up_proj, down_proj, SiLU act_fn
     moe: MoESpec | None = None
+    # the module-level rotary function the family's attention calls, when it is HF's standard one:
+    # (q, k, cos, sin, unsqueeze_dim=1), q * cos + rotate_half(q) * sin over the whole head (fused_kernels.rope)
+    rope: str | None = None
+    rope_why_not: str | None = None  # with rope None: why the family's rotary embedding is not replaced
 
     def resolve(self) -> dict[str, type] | None:
         """Class name -> class from the family's modeling module, or None if this transformers lacks it."""

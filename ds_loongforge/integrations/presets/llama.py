@@ -7,4 +7,5 @@ PRESET = FamilyPreset(
     modeling_module="transformers.models.llama.modeling_llama",
     rmsnorm=("LlamaRMSNorm",),
     mlp=("LlamaMLP",),
+    rope="apply_rotary_pos_emb",
 )

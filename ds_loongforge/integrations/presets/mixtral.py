@@ -7,4 +7,5 @@ PRESET = FamilyPreset(
     modeling_module="transformers.models.mixtral.modeling_mixtral",
     rmsnorm=("MixtralRMSNorm",),
     moe=MoESpec(block="MixtralSparseMoeBlock", router="softmax_topk", renormalize_attr=None),
+    rope="apply_rotary_pos_emb",
 )

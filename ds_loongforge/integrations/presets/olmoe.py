@@ -8,4 +8,5 @@ PRESET = FamilyPreset(
     rmsnorm=("OlmoeRMSNorm",),
     mlp=("OlmoeMLP",),
     moe=MoESpec(block="OlmoeSparseMoeBlock", router="softmax_topk"),
+    rope="apply_rotary_pos_emb",
 )

@@ -7,4 +7,5 @@ PRESET = FamilyPreset(
     modeling_module="transformers.models.qwen2.modeling_qwen2",
     rmsnorm=("Qwen2RMSNorm",),
     mlp=("Qwen2MLP",),
+    rope="apply_rotary_pos_emb",
 )

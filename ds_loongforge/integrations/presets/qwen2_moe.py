@@ -10,4 +10,5 @@ PRESET = FamilyPreset(
     mlp=("Qwen2MoeMLP",),
     moe=MoESpec(block="Qwen2MoeSparseMoeBlock", router="softmax_topk", shared_expert="shared_expert",
                 shared_expert_gate="shared_expert_gate"),
+    rope="apply_rotary_pos_emb",
 )

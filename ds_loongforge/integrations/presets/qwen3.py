@@ -7,4 +7,5 @@ PRESET = FamilyPreset(
     modeling_module="transformers.models.qwen3.modeling_qwen3",
     rmsnorm=("Qwen3RMSNorm",),
     mlp=("Qwen3MLP",),
+    rope="apply_rotary_pos_emb",
 )

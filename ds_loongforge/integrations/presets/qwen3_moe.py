@@ -9,4 +9,5 @@ PRESET = FamilyPreset(
     rmsnorm=("Qwen3MoeRMSNorm",),
     mlp=("Qwen3MoeMLP",),
     moe=MoESpec(block="Qwen3MoeSparseMoeBlock", router="softmax_topk"),
+    rope="apply_rotary_pos_emb",
 )

@@ -1,0 +1,315 @@
+"""The fused linear cross-entropy in a transformers causal LM: ``install_fused_loss(model)``.
+
+A training forward of ``<Family>ForCausalLM`` with ``labels`` computes ``logits = lm_head(hidden)`` [B, S, V] and
+``ForCausalLMLoss(logits, labels)`` (fp32 copy, log-softmax, nll; their gradients in backward). After
+``install_fused_loss`` the same call computes the loss with ``ds_loongforge.ops.linear_cross_entropy`` straight
+from the LM head's input, chunk by chunk, and never builds the logits:
+
+* ``model.lm_head`` (an ``nn.Linear`` without bias) is re-classed as ``_DeferredLMHead``, a subclass of
+  ``nn.Linear``: same Parameter, same state-dict key and shape, and outside a fused call the same forward.
+* ``model.forward`` (on the instance) is wrapped. When ``labels`` is given, grad mode is on and the model is
+  training, the wrapper (a) tells the head to keep its input and return an empty placeholder instead of logits,
+  (b) runs the model's own forward with ``labels=None`` (so transformers computes no loss on the placeholder; the
+  MoE load-balancing loss is still computed when ``output_router_logits`` is on), (c) computes the loss as
+  transformers' ``ForCausalLMLoss`` would: labels shifted left by one with ``ignore_index`` padding (or the
+  ``shift_labels`` kwarg as given), mean over non-ignored labels, or sum / ``num_items_in_batch`` when that kwarg
+  is passed (the HF Trainer passes it), (d) adds ``router_aux_loss_coef * aux_loss`` where the family's forward
+  does, and (e) returns the family's output with ``loss`` set and ``logits=None``.
+* Any other call (no labels, eval mode, no grad: evaluation and generation) runs the original forward unchanged.
+  A training call that passes ``logits_to_keep`` other than 0, a model whose ``loss_function`` is not
+  transformers' ``ForCausalLMLoss``, or an LM head whose weight is partitioned by ZeRO-3 also runs the original
+  (logged once per reason).
+
+Which models: the ``<Family>ForCausalLM`` classes of the preset families whose ``forward`` has transformers'
+shape, checked on its source (ast): ``hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)``,
+``logits = self.lm_head(hidden_states)``, then ``loss = self.loss_function(logits, labels, vocab_size, **kwargs)``
+with nothing else assigned to ``logits`` (no soft-capping or scaling) and, for the MoE families, exactly
+``loss += self.router_aux_loss_coef * aux_loss.to(loss.device)``. A class that differs is not patched, and
+``install_fused_loss`` returns the reason.
+
+The effect a caller sees: a training forward with labels returns ``logits=None``. Code that needs the logits of a
+training step must call the model without ``labels`` (and compute its own loss), or switch
+``fused_kernels.linear_cross_entropy`` off.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import logging
+import textwrap
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_loongforge.ops.linear_cross_entropy import linear_cross_entropy
+
+logger = logging.getLogger("ds_loongforge")
+
+KIND_FUSED_LOSS = "fused linear cross-entropy"
+_MARK = "__loongforge_fused_loss__"        # on the wrapper function
+_INNER = "_loongforge_inner_forward"       # instance attribute: a forward that was on the instance before ours
+_DEFAULT_IGNORE_INDEX = -100
+_warned: set[str] = set()
+
+
+class _DeferredLMHead(nn.Linear):
+    """``nn.Linear`` that, while ``_loongforge_defer`` is set, keeps its input in ``_loongforge_hidden`` and returns
+    an empty [..., 0] placeholder instead of computing the logits. Otherwise exactly ``nn.Linear``."""
+
+    _loongforge_defer = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._loongforge_defer:
+            return super().forward(input)
+        self._loongforge_hidden = input
+        return input.new_empty((*input.shape[:-1], 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardSpec:
+    positional: tuple[str, ...]  # parameter names after self that can be passed positionally
+    adds_aux: bool               # the forward adds router_aux_loss_coef * aux_loss to the loss
+
+
+def uses_fused_loss(model: nn.Module) -> bool:
+    """Whether ``install_fused_loss`` is in effect on ``model`` (its forward wrapper and deferred LM head)."""
+    if not isinstance(getattr(model, "lm_head", None), _DeferredLMHead):
+        return False
+    forward = model.__dict__.get("forward")
+    for _ in range(16):  # through wrappers added after ours (accelerate's autocast / fp32 conversion)
+        if forward is None:
+            return False
+        forward = getattr(forward, "__func__", forward)
+        if getattr(forward, _MARK, False):
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
+
+
+def install_fused_loss(model: nn.Module) -> str | None:
+    """Route the training loss of a transformers causal LM through ``linear_cross_entropy``.
+
+    Returns None when installed (or already installed), else the reason it was not (the model is unchanged)."""
+    if uses_fused_loss(model):
+        return None
+    cls = type(model)
+    name = cls.__name__
+    problem = _model_problem(model)
+    if problem:
+        return f"{name}: {problem}"
+    spec = _forward_spec(cls)
+    if isinstance(spec, str):
+        return f"{name}: {spec}"
+    if spec.adds_aux and not isinstance(getattr(model, "router_aux_loss_coef", None), (int, float)):
+        return f"{name}: its forward adds router_aux_loss_coef * aux_loss but the model has no router_aux_loss_coef"
+
+    model.lm_head.__class__ = _DeferredLMHead
+    previous = model.__dict__.get("forward")
+    if previous is not None:
+        setattr(model, _INNER, previous)
+    model.forward = types.MethodType(_make_forward(cls, spec), model)
+    return None
+
+
+def _model_problem(model: nn.Module) -> str | None:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from ds_loongforge.integrations.presets import PRESETS
+
+    cls = type(model)
+    families = {p.modeling_module: p.name for p in PRESETS}
+    if cls.__module__ not in families:
+        return (f"no preset family defines this class (fused linear cross-entropy covers the CausalLM classes of "
+                f"{', '.join(sorted(families.values()))})")
+    if not cls.__name__.endswith("ForCausalLM"):
+        return "not a ...ForCausalLM class (the fused loss replaces the causal-LM loss only)"
+    head = getattr(model, "lm_head", None)
+    if type(head) not in (nn.Linear, _DeferredLMHead):
+        return f"lm_head is {type(head).__name__}, not a plain nn.Linear (e.g. wrapped by PEFT or quantized)"
+    if head.bias is not None:
+        return "lm_head has a bias (linear_cross_entropy takes a bias-free weight)"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return ("its parameters are partitioned by ZeRO-3 (ds_id); the LM head's weight is only gathered inside "
+                "its own forward, so the fused loss cannot read it")
+    if _is_dtensor(head.weight):
+        return "lm_head.weight is a DTensor (tensor parallel): the fused loss needs the whole vocabulary locally"
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab != head.out_features:
+        return (f"lm_head has {head.out_features} outputs but config.vocab_size is {vocab}; ForCausalLMLoss views "
+                f"the logits as [-1, vocab_size]")
+    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return (f"its loss_function is {getattr(model.loss_function, '__name__', model.loss_function)!r}, not "
+                f"transformers' ForCausalLMLoss")
+    return None
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_spec(cls: type) -> _ForwardSpec | str:
+    """The ``_ForwardSpec`` of ``cls.forward`` when its source has transformers' causal-LM shape, else why not."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError) as err:
+        return f"the source of {cls.__name__}.forward cannot be read to check its loss ({err})"
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return f"{cls.__name__}.forward is not a plain function"
+    where = f"{cls.__qualname__}.forward ({inspect.getmodule(cls).__name__})"
+    decorators = {ast.unparse(d).split("(")[0].rpartition(".")[2] for d in func.decorator_list}
+    if "can_return_tuple" not in decorators:
+        return f"{where} is not decorated with can_return_tuple (return_dict handling differs)"
+
+    logits_assigns, loss_calls, head_calls, loss_other, aux_adds = [], [], [], [], []
+    for node in ast.walk(func):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if "logits" in names:
+                logits_assigns.append(node)
+            if "loss" in names:
+                text = ast.unparse(node)
+                if text == "loss = None":
+                    pass
+                elif isinstance(node, ast.Assign) and _is_loss_call(node.value):
+                    loss_calls.append(node)
+                elif text == "loss += self.router_aux_loss_coef * aux_loss.to(loss.device)":
+                    aux_adds.append(node)
+                else:
+                    loss_other.append(text)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.lm_head":
+            head_calls.append(node)
+        if isinstance(node, (ast.Name, ast.Attribute)) and "softcap" in ast.unparse(node).lower():
+            return f"{where} soft-caps the logits"
+    if len(head_calls) != 1 or len(logits_assigns) != 1 or logits_assigns[0].value is not head_calls[0]:
+        return f"{where} does not compute `logits = self.lm_head(...)` exactly once (the logits are transformed)"
+    head_arg = ast.unparse(head_calls[0].args[0]) if len(head_calls[0].args) == 1 else ""
+    if head_arg not in ("hidden_states", "hidden_states[:, slice_indices, :]"):
+        return f"{where} calls lm_head on {head_arg or 'several arguments'}, not on the sliced hidden states"
+    if head_arg == "hidden_states" and "slice_logits_to_keep(hidden_states, logits_to_keep)" not in source:
+        return f"{where} does not slice the hidden states by logits_to_keep before lm_head"
+    if len(loss_calls) != 1 or loss_other:
+        return (f"{where} does not compute the loss as `self.loss_function(logits, labels, vocab_size, **kwargs)` "
+                f"alone ({'; '.join(loss_other) or 'no such call'})")
+    if len(aux_adds) > 1:
+        return f"{where} adds the router aux loss more than once"
+
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    positional = tuple(p.name for p in params
+                       if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    if "labels" not in positional:
+        return f"{where} has no labels parameter"
+    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds))
+
+
+def _is_loss_call(value: ast.expr) -> bool:
+    """``self.loss_function(logits, labels, <vocab>, **kwargs)`` (positional or keyword), nothing else."""
+    if not (isinstance(value, ast.Call) and ast.unparse(value.func) == "self.loss_function"):
+        return False
+    args = dict(zip(("logits", "labels", "vocab_size"), (ast.unparse(a) for a in value.args)))
+    if len(value.args) > 3:
+        return False
+    double_star = False
+    for kw in value.keywords:
+        if kw.arg is None:
+            double_star = ast.unparse(kw.value) == "kwargs"
+        elif kw.arg in args or kw.arg not in ("logits", "labels", "vocab_size"):
+            return False
+        else:
+            args[kw.arg] = ast.unparse(kw.value)
+    return (double_star and args.get("logits") == "logits" and args.get("labels") == "labels"
+            and args.get("vocab_size") in ("self.vocab_size", "self.config.vocab_size"))
+
+
+def _make_forward(cls: type, spec: _ForwardSpec):
+    def forward(self, *args, **kwargs):
+        return _fused_loss_forward(self, spec, args, kwargs)
+
+    # what inspect.signature (the HF Trainer's column filter and loss-kwargs check) sees: the class's forward
+    forward.__signature__ = inspect.signature(cls.forward)
+    forward.__doc__ = cls.forward.__doc__
+    forward.__qualname__ = f"{cls.__qualname__}.forward"
+    setattr(forward, _MARK, True)
+    return forward
+
+
+def _warn_once(model: nn.Module, reason: str) -> None:
+    key = f"{type(model).__name__}: {reason}"
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("[LoongForge] fused linear cross-entropy: %s; this call runs the original forward", key)
+
+
+def _call_problem(model: nn.Module, kwargs: dict) -> str | None:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    keep = kwargs.get("logits_to_keep", 0)
+    if isinstance(keep, torch.Tensor) or isinstance(keep, bool) or keep != 0:
+        return "logits_to_keep is not 0 in a training call with labels"
+    head = getattr(model, "lm_head", None)
+    if type(head) is nn.Linear and head.bias is None:  # replaced since install (resize_token_embeddings)
+        head.__class__ = _DeferredLMHead
+    elif not isinstance(head, _DeferredLMHead):
+        return f"lm_head is now {type(head).__name__}"
+    if hasattr(head.weight, "ds_id"):
+        return "lm_head.weight is partitioned by ZeRO-3"
+    if model.loss_function is not ForCausalLMLoss:
+        return "loss_function is no longer ForCausalLMLoss"
+    return None
+
+
+def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwargs: dict):
+    inner = model.__dict__.get(_INNER)
+    original = inner if inner is not None else types.MethodType(type(model).forward, model)
+    if len(args) > len(spec.positional):
+        return original(*args, **kwargs)
+    kwargs = {**dict(zip(spec.positional, args)), **kwargs}
+    labels = kwargs.get("labels")
+    if labels is None or not model.training or not torch.is_grad_enabled():
+        return original(**kwargs)
+    problem = _call_problem(model, kwargs)
+    if problem:
+        _warn_once(model, problem)
+        return original(**kwargs)
+
+    return_dict = kwargs.get("return_dict")
+    if return_dict is None:  # as can_return_tuple decides
+        return_dict = getattr(getattr(model, "config", None), "return_dict", True)
+        return_dict = True if return_dict is None else return_dict
+    head = model.lm_head
+    head._loongforge_defer = True
+    try:
+        out = original(**{**kwargs, "labels": None, "return_dict": True})
+    finally:
+        hidden = head.__dict__.pop("_loongforge_hidden", None)
+        head._loongforge_defer = False
+    if hidden is None:
+        raise RuntimeError(f"[LoongForge] fused linear cross-entropy: {type(model).__name__}.forward did not call "
+                           f"lm_head; switch fused_kernels.linear_cross_entropy off for this model")
+
+    ignore_index = kwargs.get("ignore_index", _DEFAULT_IGNORE_INDEX)
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is None:  # ForCausalLMLoss: tokens < n predict n; the last position has no label
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    num_items = kwargs.get("num_items_in_batch")
+    loss = linear_cross_entropy(hidden, head.weight, shift_labels.reshape(-1).to(hidden.device),
+                                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum")
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    aux_loss = getattr(out, "aux_loss", None)
+    if spec.adds_aux and aux_loss is not None:
+        loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+    out = dataclasses.replace(out, loss=loss, logits=None)
+    return out if return_dict else out.to_tuple()

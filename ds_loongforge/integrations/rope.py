@@ -1,0 +1,233 @@
+"""Fused rotary position embedding: a family's ``apply_rotary_pos_emb`` -> Liger-Kernel's Triton RoPE on CUDA.
+
+transformers' attention calls the function of its own modeling module by name
+(``modeling_mixtral.apply_rotary_pos_emb(q, k, cos, sin)``), so the replacement is a process-wide patch of that
+module attribute, not a module swap: every model of that family in the process uses it. The patch is a wrapper
+that sends a call to Liger (``liger_kernel.transformers.rope.liger_rotary_pos_emb``) only when Liger computes what
+the original returns, and calls the original otherwise:
+
+* q, k, cos, sin plain tensors on one CUDA device (a model injected on the CPU and moved to the GPU later runs the
+  original while its tensors are on the CPU); q [B, Hq, S, D], k [B, Hk, S, D], cos = sin shape [1 or B, S, D]
+  (HF's layout, ``unsqueeze_dim=1``); D even; nothing empty; cos/sin not requiring grad (Liger gives them none).
+* q and k of one dtype, and the dtype HF's broadcasting gives the result, promote(q, cos, sin), is fp16, bf16 or
+  fp32 (fp64: the original). Where cos/sin and q differ (autocast: q bf16, cos fp32, HF returns fp32) the inputs
+  are cast to that dtype first, so Liger computes in the dtype HF computes in and returns the dtype HF returns.
+
+The checks read shapes, dtypes and devices only: no host-device sync. A Liger call that raises (a Triton build
+failure, say) warns once and the original runs from then on; with strict ops (``"strict_ops": true`` or
+``LOONGFORGE_STRICT_OPS=1``) it is raised.
+
+In place: Liger rotates q and k in their own storage when ``q.transpose(1, 2)`` is contiguous, which is the layout
+HF's attention hands it (``q_proj(x).view(B, S, H, D).transpose(1, 2)``; also any [B, H, 1, D] tensor), and its
+backward rotates the incoming gradients in place the same way. Its Triton stores bypass autograd's version
+counters, so a clobbered saved tensor would not raise. That is safe in the families covered: nothing reads the
+pre-rotation q/k after the call and no autograd node saved them (a Linear saves its input, HF's RMSNorm and
+FusedRMSNorm theirs, not their outputs), and the gradients reaching it are fresh tensors of SDPA's / eager
+attention's backward used nowhere else. Not safe: a caller that keeps using the q/k it passed in (it sees them
+rotated), or a gradient that is also used elsewhere (``grad_outputs`` passed straight to ``torch.autograd.grad``,
+a ``retain_grad()`` on the rotated q, an output that also feeds an addition). tests/integrations/
+test_rope_injection.py checks the families' models with a PyTorch function of the same in-place contract whose
+writes do bump the version counters.
+
+torch.compile: Liger's dispatcher is ``torch.compiler.disable``d, so each patched call is a graph break; for a
+compiled model (where Inductor fuses HF's RoPE itself) ``"rope": false`` is likely the better choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import threading
+import warnings
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("ds_loongforge")
+
+LIGER_DIST = "liger-kernel"
+LIGER_MODULE = "liger_kernel.transformers.rope"
+ORIGINAL_ATTR = "__loongforge_original__"  # on a wrapper: the function it replaced
+FUSED_ATTR = "__loongforge_fused__"        # on a wrapper: the fused function it calls
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the parameters after (q, k, cos, sin) of the standard function: transformers 5.x, and 4.x with position_ids
+_STANDARD_TAILS = (("unsqueeze_dim",), ("position_ids", "unsqueeze_dim"))
+
+_lock = threading.Lock()
+_patched: dict[tuple[str, str], Callable] = {}  # (module, function name) -> wrapper installed there
+_failed: dict[str, str] = {}                    # fused function's label -> why it is no longer called
+
+
+def load_liger() -> tuple[Callable | None, str]:
+    """(``liger_rotary_pos_emb``, ``"liger-kernel X.Y.Z"``), or (None, why it cannot be used)."""
+    try:
+        fused = importlib.import_module(LIGER_MODULE).liger_rotary_pos_emb
+    except ImportError as err:
+        if (err.name or "").split(".")[0] == "liger_kernel":
+            return None, f"{LIGER_DIST} is not installed (pip install {LIGER_DIST})"
+        return None, f"{LIGER_DIST} does not import ({type(err).__name__}: {err})"
+    except Exception as err:  # noqa: BLE001 - e.g. triton failing at import: report, never break inject
+        return None, f"{LIGER_DIST} does not import ({type(err).__name__}: {err})"
+    try:
+        version = importlib.metadata.version(LIGER_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown version"
+    return fused, f"{LIGER_DIST} {version}"
+
+
+def cuda_visible() -> bool:
+    """Whether a CUDA device is visible, so that CUDA tensors may reach the wrapper (one place for tests)."""
+    return torch.cuda.is_available()
+
+
+def fused_dtype(q, k, cos, sin, unsqueeze_dim, device_type: str = "cuda") -> torch.dtype | None:
+    """The dtype Liger is to compute in for these arguments, or None when the original must run.
+
+    Reads metadata only (no host-device sync)."""
+    if unsqueeze_dim != 1 or not all(type(t) is torch.Tensor for t in (q, k, cos, sin)):
+        return None  # subclasses (DTensor, ...) and HF's [B, S, H, D] layout (unsqueeze_dim=2) run the original
+    device = q.device
+    if device.type != device_type or k.device != device or cos.device != device or sin.device != device:
+        return None
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return None
+    batch, _, seq, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != head_dim or head_dim % 2:
+        return None
+    if cos.shape[0] not in (1, batch) or cos.shape[1] != seq or cos.shape[2] != head_dim:
+        return None
+    if q.numel() == 0 or k.numel() == 0 or cos.requires_grad or sin.requires_grad or q.dtype != k.dtype:
+        return None
+    dtype = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
+    return dtype if dtype in _FUSED_DTYPES else None
+
+
+def make_wrapper(original: Callable, fused: Callable, label: str, tail: tuple[str, ...] = ("unsqueeze_dim",),
+                 device_type: str = "cuda") -> Callable:
+    """``original`` with calls that ``fused`` can take (``fused_dtype``) sent to ``fused(q, k, cos, sin)``.
+
+    ``tail``: the original's parameters after (q, k, cos, sin); ``label`` names ``fused`` in messages."""
+
+    @functools.wraps(original)
+    def wrapper(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = 1
+        if args or kwargs:
+            if len(args) > len(tail) or not set(kwargs) <= set(tail[len(args):]):
+                return original(q, k, cos, sin, *args, **kwargs)  # not a call it accepts: let it say so
+            unsqueeze_dim = {**dict(zip(tail, args)), **kwargs}.get("unsqueeze_dim", 1)
+        dtype = fused_dtype(q, k, cos, sin, unsqueeze_dim, device_type)
+        if dtype is None or label in _failed:
+            return original(q, k, cos, sin, *args, **kwargs)
+        try:
+            return fused(*(t if t.dtype == dtype else t.to(dtype) for t in (q, k, cos, sin)))
+        except Exception as err:  # noqa: BLE001 - raised before its kernel ran: q/k are untouched
+            _give_up(label, err)
+            return original(q, k, cos, sin, *args, **kwargs)
+
+    setattr(wrapper, ORIGINAL_ATTR, original)
+    setattr(wrapper, FUSED_ATTR, fused)
+    return wrapper
+
+
+def _give_up(label: str, err: Exception) -> None:
+    from ds_loongforge.ops._dispatch import strict_ops
+
+    if strict_ops():
+        raise err
+    with _lock:
+        first = label not in _failed
+        _failed[label] = f"{type(err).__name__}: {err}"
+    if first:
+        message = (f"[LoongForge] fused RoPE ({label}) failed, running transformers' apply_rotary_pos_emb from "
+                   f"now on: {type(err).__name__}: {err}. Set LOONGFORGE_STRICT_OPS=1 or \"strict_ops\": true to "
+                   "make this an error.")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        logger.warning(message)
+
+
+def standard_rope_problem(function: Callable) -> str | None:
+    """None when ``function(q, k, cos, sin)`` is HF's standard RoPE (rotate_half over the whole head, cos/sin
+    [B, S, D] unsqueezed at dim 1), else what differs. Checks the signature, then the values on a tiny fp64
+    CPU input against the formula."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    names = tuple(p.name for p in params)
+    if names[:4] != ("q", "k", "cos", "sin") or names[4:] not in _STANDARD_TAILS:
+        return f"signature ({', '.join(names)}) is not (q, k, cos, sin, [position_ids,] unsqueeze_dim=1)"
+    if params[-1].default != 1:
+        return "unsqueeze_dim does not default to 1"
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG alone
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=gen)
+    k = torch.randn(2, 1, 5, 8, dtype=torch.float64, generator=gen)
+    angle = torch.rand(2, 5, 4, dtype=torch.float64, generator=gen) * 6.0
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+
+    def rotated(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos[:, None] + torch.cat((-x2, x1), -1) * sin[:, None]
+
+    try:
+        q_out, k_out = function(q, k, cos, sin)
+    except Exception as err:  # noqa: BLE001
+        return f"it raises on a standard input ({type(err).__name__}: {err})"
+    if not (torch.allclose(q_out, rotated(q), rtol=1e-12, atol=1e-12)
+            and torch.allclose(k_out, rotated(k), rtol=1e-12, atol=1e-12)):
+        return "it does not compute q * cos + rotate_half(q) * sin over the whole head"
+    return None
+
+
+def patch(module_name: str, function_name: str, fused: Callable, label: str,
+          device_type: str = "cuda") -> str | None:
+    """Make ``module_name.function_name`` the wrapper around its current value; None when done (or already
+    done: the wrapper is never wrapped again), else why it was left alone."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return f"{module_name} does not import ({err})"
+    with _lock:
+        current = getattr(module, function_name, None)
+        if current is None:
+            return f"{module_name} has no {function_name}"
+        if getattr(current, ORIGINAL_ATTR, None) is not None:
+            _patched[(module_name, function_name)] = current
+            return None
+        problem = standard_rope_problem(current)
+        if problem is not None:
+            return f"not the standard rotary function: {problem}"
+        tail = tuple(inspect.signature(current).parameters)[4:]
+        wrapper = make_wrapper(current, fused, label, tail, device_type)
+        setattr(module, function_name, wrapper)
+        _patched[(module_name, function_name)] = wrapper
+    return None
+
+
+def original(function: Callable) -> Callable:
+    """The function a wrapper replaced (a function that is no wrapper: itself)."""
+    return getattr(function, ORIGINAL_ATTR, function)
+
+
+def patched() -> list[str]:
+    """``module.function`` of every wrapper installed and still in place."""
+    with _lock:
+        return [f"{m}.{f}" for (m, f), w in _patched.items()
+                if getattr(importlib.import_module(m), f, None) is w]
+
+
+def restore() -> list[str]:
+    """Put every patched function back (the patch is process-wide) and forget fused functions that failed;
+    returns ``module.function`` of each function restored."""
+    restored = []
+    with _lock:
+        for (module_name, function_name), wrapper in list(_patched.items()):
+            module = importlib.import_module(module_name)
+            if getattr(module, function_name, None) is wrapper:
+                setattr(module, function_name, getattr(wrapper, ORIGINAL_ATTR))
+                restored.append(f"{module_name}.{function_name}")
+            del _patched[(module_name, function_name)]
+        _failed.clear()
+    return restored

@@ -1,0 +1,207 @@
+"""Fused LM head + cross-entropy: ``F.cross_entropy(hidden @ weight.T, labels)`` without the full fp32 logits.
+
+Legend (shape suffixes): N rows (tokens), H hidden, V vocabulary, C rows of one chunk.
+
+The unfused loss path of a causal LM in bf16 writes the logits [N, V] in bf16, copies them to fp32, keeps the
+fp32 log-softmax for backward and, in backward, builds the fp32 gradient of the logits and converts it back:
+several [N, V] fp32 tensors of memory traffic and up to ~3 [N, V] fp32 buffers alive at the peak.
+
+Here the forward runs chunk by chunk over rows: logits_CV = h_CH @ W_VH^T with an fp32 output (on CUDA with
+bf16/fp16 inputs the GEMM writes fp32 directly: ``torch.mm(..., out_dtype=torch.float32)``), one fused
+log-softmax in fp32, the loss terms -logp[target] of the valid rows summed into an fp32 device scalar; then, in
+place, p = exp(logp), p[target] -= 1 on valid rows, and the gradient of the logits g_CV = p * scale (scale =
+1/n_valid for valid rows, 0 for ignored ones) is written, cast to the input dtype by the multiply itself, into a
+preallocated [N, V] buffer. Backward is two GEMMs of exactly the unfused backward's shapes:
+grad_hidden = g @ W and grad_weight = g^T @ hidden, scaled by the incoming gradient.
+
+Nothing synchronises with the host: the number of valid labels stays a device tensor, rows are never selected by
+a boolean mask, and no Python branch looks at tensor values.
+
+Semantics are those of ``F.cross_entropy(logits, labels, ignore_index=..., reduction=...)`` on fp32 logits:
+``"mean"`` divides by the number of non-ignored labels and is nan when all are ignored (gradients are then 0, as
+torch's are); ``"sum"`` is the plain sum (0 when all are ignored). A label outside [0, V) that is not
+``ignore_index`` cannot be checked without a host sync: like torch's own CUDA loss it trips a device-side assert
+(in ``gather``/``scatter_add_``) on CUDA and raises "index out of bounds" (RuntimeError) on CPU.
+
+Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``nn.Linear`` would (the gradient buffer is kept
+in that dtype); gradients come back in the dtypes of ``hidden`` and ``weight``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("ds_loongforge")
+
+# target size of one chunk's logits in the accumulation dtype (fp32): 256 MiB, 2048 rows at V = 32000
+CHUNK_BYTES = 256 << 20
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# whether torch.mm(a, b, out_dtype=torch.float32) works for CUDA bf16/fp16 inputs: decided by the first CUDA call
+_mm_out_dtype_ok: bool | None = None
+
+
+def default_chunk_rows(vocab: int, acc_dtype: torch.dtype = torch.float32) -> int:
+    """Rows whose logits in ``acc_dtype`` take about CHUNK_BYTES (a multiple of 256 rows when that is possible)."""
+    rows = max(1, CHUNK_BYTES // (max(1, vocab) * torch.finfo(acc_dtype).bits // 8))
+    return rows - rows % 256 if rows >= 256 else rows
+
+
+def _logits(h_CH: torch.Tensor, w_VH: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """h @ w^T as ``acc_dtype`` (fp32, or fp64 for fp64 inputs)."""
+    global _mm_out_dtype_ok
+    if h_CH.is_cuda and h_CH.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_ok is not False:
+        if _mm_out_dtype_ok:
+            return torch.mm(h_CH, w_VH.t(), out_dtype=torch.float32)
+        try:
+            out = torch.mm(h_CH, w_VH.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError) as err:
+            _mm_out_dtype_ok = False
+            logger.info("[LoongForge] linear_cross_entropy: torch.mm(..., out_dtype=torch.float32) is not available "
+                        "(%s); the logits GEMM writes %s and is converted to fp32 per chunk", err, h_CH.dtype)
+        else:
+            _mm_out_dtype_ok = True
+            return out
+    out = torch.mm(h_CH, w_VH.t())
+    return out if out.dtype == acc_dtype else out.to(acc_dtype)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd op behind ``linear_cross_entropy`` (inputs already validated and flattened)."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, ignore_index: int, chunk_rows: int, reduction: str,
+                compute_dtype: torch.dtype, grad_enabled: bool):
+        device_type = hidden_NH.device.type
+        with torch.autocast(device_type, enabled=False):
+            h_NH = hidden_NH.to(compute_dtype)
+            w_VH = weight_VH.to(compute_dtype)
+            n_rows, vocab = h_NH.shape[0], w_VH.shape[0]
+            acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+            valid_N = labels_N != ignore_index
+            target_N1 = torch.where(valid_N, labels_N, 0).unsqueeze(1)  # ignored rows point at class 0
+            n_valid = valid_N.sum()  # a device tensor: never read on the host
+            if reduction == "mean":
+                scale_N = torch.where(valid_N, n_valid.to(acc).reciprocal(), 0.0)  # 0 on ignored rows, even if 0 valid
+            else:
+                scale_N = valid_N.to(acc)
+            minus_valid_N1 = valid_N.to(acc).neg_().unsqueeze(1)
+
+            # (needs_input_grad is set under torch.no_grad too: the caller passes the grad mode)
+            need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+            grad_NV = torch.empty(n_rows, vocab, dtype=compute_dtype, device=h_NH.device) if need_grad else None
+            neg_loss = torch.zeros((), dtype=acc, device=h_NH.device)
+            for start in range(0, n_rows, chunk_rows):
+                rows = slice(start, min(n_rows, start + chunk_rows))
+                logp_CV = torch.log_softmax(_logits(h_NH[rows], w_VH, acc), dim=1)
+                picked_C = logp_CV.gather(1, target_N1[rows]).squeeze(1)
+                neg_loss += torch.where(valid_N[rows], picked_C, 0.0).sum()
+                if grad_NV is not None:
+                    p_CV = logp_CV.exp_()
+                    p_CV.scatter_add_(1, target_N1[rows], minus_valid_N1[rows])
+                    torch.mul(p_CV, scale_N[rows].unsqueeze(1), out=grad_NV[rows])  # the cast is part of the multiply
+                del logp_CV
+            loss = neg_loss.neg_()
+            if reduction == "mean":
+                loss = loss / n_valid  # nan when every label is ignored, as torch's
+
+        if need_grad:
+            ctx.save_for_backward(grad_NV, h_NH, w_VH)
+        ctx.dtypes = (hidden_NH.dtype, weight_VH.dtype)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        grad_NV, h_NH, w_VH = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        grad_hidden = grad_weight = None
+        with torch.autocast(h_NH.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = torch.mm(grad_NV, w_VH).mul_(grad_loss).to(hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.mm(grad_NV.t(), h_NH).mul_(grad_loss).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+            and hidden.dtype != torch.float64 and weight.dtype != torch.float64):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype}; they must "
+                         f"match outside torch.autocast (cast one, e.g. hidden.to(weight.dtype))")
+    return hidden.dtype
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                         chunk_rows: int | None = None, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index, reduction=reduction)`` computed on
+    fp32 logits, chunk by chunk, without materialising the full logits or their fp32 gradient.
+
+    hidden: [..., H] (leading dims are flattened), fp32/bf16/fp16 (fp64 for references).
+    weight: [V, H], the LM head's weight (no bias), same dtype as hidden (or anything under torch.autocast).
+    labels: int64 with hidden.shape[:-1] elements (any shape); ``ignore_index`` marks rows without a loss.
+    chunk_rows: rows per chunk; default: about 256 MiB of fp32 logits (2048 rows at V = 32000).
+    reduction: "mean" (over non-ignored labels; nan when there are none) or "sum".
+
+    Returns a 0-dim fp32 tensor (fp64 for fp64 inputs). A label outside [0, V) other than ``ignore_index`` is not
+    checked (that would sync with the host): it trips a device-side assert on CUDA, a RuntimeError on CPU.
+    """
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) \
+            or not isinstance(labels, torch.Tensor):
+        raise TypeError("linear_cross_entropy: hidden, weight and labels must be tensors, got "
+                        f"{type(hidden).__name__}, {type(weight).__name__}, {type(labels).__name__}")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise ValueError(f"linear_cross_entropy: hidden must be [..., H] with H > 0, got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+                         f"got shape {tuple(weight.shape)}; pass the LM head's weight as stored by nn.Linear "
+                         f"(out_features x in_features), not its transpose")
+    if weight.shape[0] == 0:
+        raise ValueError("linear_cross_entropy: weight has V = 0 classes")
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"linear_cross_entropy: {name} is {t.dtype}; use float32, bfloat16, float16 or float64")
+    if labels.dtype != torch.int64:
+        raise ValueError(f"linear_cross_entropy: labels must be int64 (torch.long), got {labels.dtype}; "
+                         f"pass labels.long()")
+    n_rows = hidden.numel() // hidden.shape[-1]
+    if labels.numel() != n_rows:
+        raise ValueError(f"linear_cross_entropy: labels has {labels.numel()} elements (shape {tuple(labels.shape)}) "
+                         f"but hidden has {n_rows} rows (shape {tuple(hidden.shape)}); give one label per row "
+                         f"(for a causal LM, shift the labels first)")
+    if n_rows == 0:
+        raise ValueError(f"linear_cross_entropy: hidden has no rows (shape {tuple(hidden.shape)})")
+    if hidden.device != weight.device or hidden.device != labels.device:
+        raise ValueError(f"linear_cross_entropy: hidden ({hidden.device}), weight ({weight.device}) and labels "
+                         f"({labels.device}) must be on one device; move them with .to(hidden.device)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"linear_cross_entropy: ignore_index must be an int, got {ignore_index!r}")
+    compute_dtype = _compute_dtype(hidden, weight)
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0], torch.float64 if compute_dtype == torch.float64
+                                        else torch.float32)
+    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+
+    hidden_NH = hidden.reshape(n_rows, hidden.shape[-1])
+    return LinearCrossEntropyFunction.apply(hidden_NH, weight, labels.reshape(n_rows), ignore_index, chunk_rows,
+                                            reduction, compute_dtype, torch.is_grad_enabled())
+
+
+def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                   ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """The unfused computation, as transformers' ForCausalLMLoss does it: logits in the inputs' dtype, then fp32
+    (fp64 inputs stay fp64)."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index,
+                                             reduction=reduction)
