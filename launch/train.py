@@ -337,11 +337,17 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def forward_losses(engine, batch, layers, stock_aux_coef, annotate=contextlib.nullcontext):
+def forward_losses(engine, batch, layers, stock_aux_coef, annotate=contextlib.nullcontext, fused_loss=False):
+    """(language-model loss, auxiliary loss). ``fused_loss``: the model computes the loss from the labels
+    (LoongForge's fused linear cross-entropy: no logits), the same shifted mean over the non-ignored tokens."""
     with annotate("forward"):
-        out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        if fused_loss:
+            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"])
+        else:
+            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     with annotate("loss"):
-        loss = lm_loss(out.logits, batch["labels"])
+        loss = out.loss if fused_loss else lm_loss(out.logits, batch["labels"])
     if layers:
         aux = sum(m.aux_loss for m in layers if m.aux_loss is not None)
     elif getattr(out, "aux_loss", None) is not None:
@@ -386,6 +392,14 @@ def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int
     first = max(start_step + 2, min(start_step + 6, steps - n + 1))
     last = min(steps, first + n - 1)
     return (first, last) if first <= last else None
+
+
+def _uses_fused_loss(model) -> bool:
+    try:
+        from ds_loongforge.integrations.fused_loss import uses_fused_loss
+    except ImportError:
+        return False
+    return uses_fused_loss(model)
 
 
 def _step_mark(cuda: bool):
@@ -494,6 +508,7 @@ def main(argv=None) -> dict:
 
         inject(model, ds_config)  # logs one line per replaced kind and what was not replaced
     layers = moe_layers(model)
+    fused_loss = use_lf and _uses_fused_loss(model)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %s (%s), %.2fM parameters (%.2fM active per token, %.3g training FLOPs per token), "
                 "variant %s", args.model, type(model).__name__, num_params / 1e6, active_params / 1e6,
@@ -587,7 +602,7 @@ def main(argv=None) -> dict:
             batch, real = next(batches)
             if probe:
                 memory_mark(f"until forward {micro}")
-            loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef, annotate)
+            loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef, annotate, fused_loss)
             if probe:
                 memory_mark(f"forward {micro}")
             with annotate("backward"):
@@ -686,6 +701,7 @@ def main(argv=None) -> dict:
         "loss_history": history, "tokens": tokens, "train_seconds": round(elapsed, 2),
         "total_seconds": round(time.perf_counter() - started, 2), "model": args.model, "params": num_params,
         "loongforge": use_lf, "expert_aware_sampler": expert_aware, "moe_layers": len(layers),
+        "fused_loss": fused_loss,
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
         "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.basic_optimizer).__name__,
         "routing": routing_summary(layers), "profile": profile,

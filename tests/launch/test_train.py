@@ -79,6 +79,7 @@ def test_loongforge_run_checkpoint_and_exact_resume(tmp_path):
     assert full["loss_history"][-1][1] < full["loss_history"][0][1], full["loss_history"]  # it learns
     assert "[LoongForge]" in full["_log"] and "ExpertMaskedMoE" in full["_log"]
     assert full["routing"]["sparsity"] == pytest.approx(0.75)  # 8 experts, top-2
+    assert full["fused_loss"] and "fused linear cross-entropy: lm_head of MixtralForCausalLM" in full["_log"]
     assert {p.name for p in ckpt.iterdir()} >= {"step2", "step4", "step6", "latest"}
 
     (ckpt / "latest").write_text("step4")  # resume from the middle: the last window must repeat exactly
@@ -90,10 +91,28 @@ def test_loongforge_run_checkpoint_and_exact_resume(tmp_path):
     assert resumed["eval_loss"] == full["eval_loss"]
 
 
+def test_fused_loss_trains_like_the_unfused_loss(tmp_path):
+    """The same LoongForge run with fused_kernels.linear_cross_entropy off: the same losses (fp32 on CPU: only
+    the summation order differs), so the fused LM head + cross-entropy changes nothing the model learns."""
+    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
+    config["loongforge"]["fused_kernels"]["linear_cross_entropy"] = False
+    unfused_cfg = tmp_path / "unfused.json"
+    unfused_cfg.write_text(json.dumps(config))
+    fused = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "4")
+    unfused = _train("--deepspeed_config", str(unfused_cfg), "--steps", "4")
+    assert fused["fused_loss"] and not unfused["fused_loss"]
+    assert "fused_kernels.linear_cross_entropy is false" in unfused["_log"]
+    assert [s for s, _ in fused["loss_history"]] == [s for s, _ in unfused["loss_history"]] == [2, 4]
+    for (_, a), (_, b) in zip(fused["loss_history"], unfused["loss_history"]):
+        assert a == pytest.approx(b, rel=1e-4), (fused["loss_history"], unfused["loss_history"])
+    assert fused["eval_loss"] == pytest.approx(unfused["eval_loss"], rel=1e-4)
+
+
 def test_no_loongforge_runs_stock(tmp_path):
     summary = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "2", "--no-loongforge")
     _assert_finite(summary)
     assert not summary["loongforge"] and summary["moe_layers"] == 0 and not summary["expert_aware_sampler"]
+    assert not summary["fused_loss"]
     assert "ExpertMaskedMoE:" not in summary["_log"]
     assert summary["variant"] == "stock" and summary["data"] == "text"
     # no --timing: no per-step synchronize, so no step times (tokens/s still comes from the loop's wall time)
