@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--use-loongforge", dest="loongforge", action="store_true", default=None)
     group.add_argument("--no-loongforge", dest="loongforge", action="store_false")
+    p.add_argument("--no-expert-aware-sampler", dest="expert_aware_sampler", action="store_false",
+                   help="keep the stock data order (DistributedSampler) even when the config's "
+                   "loongforge.sampler.expert_aware is on: compares LoongForge's numerics with stock on the same batches")
     p.add_argument("--autoep", action="store_true",
                    help="stock model + DeepSpeed AutoEP (adds the expert_parallel block; implies --no-loongforge)")
     p.add_argument("--data", choices=("text", "random"), default="text",
@@ -526,7 +529,7 @@ def main(argv=None) -> dict:
     engine, _, _, _ = initialize(model=model, model_parameters=params, config=ds_config)
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
-    expert_aware = use_lf and block.sampler.expert_aware and bool(layers)
+    expert_aware = use_lf and block.sampler.expert_aware and bool(layers) and args.expert_aware_sampler
     stream = build_train_stream(corpus.train, ds_config, engine.module, micro_batch, rank, world, expert_aware,
                                 tokenizer.pad_token_id, pin_memory=device.type == "cuda")
     from torch.utils.data import DataLoader

@@ -207,7 +207,10 @@ def test_cuda_peak_memory_well_below_unfused():
 
     peak(linear_cross_entropy)  # warm-up
     fused, unfused = peak(linear_cross_entropy), peak(linear_cross_entropy_reference)
-    logits_fp32 = n * vocab * 4
     print(f"peak above inputs: fused {fused / 2**30:.2f} GiB, unfused {unfused / 2**30:.2f} GiB")
     assert fused < 0.5 * unfused, (fused, unfused)
-    assert fused < 1.25 * logits_fp32, "the fused path holds more than about one fp32 logits tensor"
+    # what the fused path may hold: the bf16 logits gradient [N, V], a chunk's fp32 logits and log-softmax (+ one
+    # chunk of slack for the allocator), and the inputs' gradients (1.22 GiB measured on the H200 against 1.37)
+    chunk = default_chunk_rows(vocab) * vocab * 4
+    bound = n * vocab * 2 + 3 * chunk + h.numel() * 2 + w.numel() * 2
+    assert fused < bound, f"the fused path holds {fused / 2**30:.2f} GiB, more than {bound / 2**30:.2f} GiB"
