@@ -29,14 +29,27 @@ class FusedKernelsConfig(_Section):
                                        "them); forwards without labels, in eval mode or without grad are unchanged.")
 
 
+# a standalone ExpertMaskedMoE built from the section (layer_kwargs) when the block leaves the coefficients unset
+STANDALONE_AUX_LOSS_COEF = 0.01
+STANDALONE_Z_LOSS_COEF = 0.001
+
+
 class MoEConfig(_Section):
     expert_masked: bool = Field(True, description="Replace MoE blocks with ExpertMaskedMoE (only experts that got "
                                 "tokens compute; dropless).")
     router: Literal["topk", "sampled"] = Field("topk", description="topk: the K most probable experts. sampled: "
                                                "K experts drawn without replacement from the softmax in training, "
                                                "top-k in eval.")
-    aux_loss_coef: float = Field(0.01, ge=0, description="Coefficient of the Switch/GShard load-balancing loss.")
-    z_loss_coef: float = Field(0.001, ge=0, description="Coefficient of the router z-loss.")
+    aux_loss_coef: float | None = Field(
+        None, ge=0, description="Coefficient of ExpertMaskedMoE's own Switch/GShard load-balancing loss (per layer). "
+        "None (the default): a transformers model given to inject keeps its family's own balancing loss "
+        "(transformers computes it from the router logits when the model config's output_router_logits is on, "
+        "scaled by router_aux_loss_coef), exactly as the stock model trains, and ExpertMaskedMoE adds none; a "
+        "standalone layer built from this section uses 0.01. A number: ExpertMaskedMoE adds its "
+        "per-layer loss with this coefficient (on top of the family's, if the model config has that on).")
+    z_loss_coef: float | None = Field(
+        None, ge=0, description="Coefficient of the router z-loss. None (the default): none for an injected "
+        "transformers model (the supported families have no z-loss), 0.001 for a standalone layer.")
     ep_size: int = Field(1, ge=1, description="Expert-parallel group size; must divide the world size and the "
                          "number of experts.")
     all_to_all_buffer_factor: float = Field(1.2, gt=0, description="Receive buffers start at ceil(factor * tokens "
@@ -52,7 +65,9 @@ class MoEConfig(_Section):
 
     def layer_kwargs(self) -> dict[str, Any]:
         """The ExpertMaskedMoE keyword arguments this section sets."""
-        return {"router_mode": self.router, "aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef,
+        return {"router_mode": self.router,
+                "aux_loss_coef": STANDALONE_AUX_LOSS_COEF if self.aux_loss_coef is None else self.aux_loss_coef,
+                "z_loss_coef": STANDALONE_Z_LOSS_COEF if self.z_loss_coef is None else self.z_loss_coef,
                 "all_to_all_buffer_factor": self.all_to_all_buffer_factor,
                 "buffer_warmup_steps": self.buffer_warmup_steps, "buffer_growth": self.buffer_growth,
                 "overlap_chunks": self.overlap_chunks}

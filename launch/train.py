@@ -18,10 +18,11 @@ Variants: LoongForge is on when the config's "loongforge" block says ``enabled: 
 forces it on, ``--no-loongforge`` runs stock transformers + DeepSpeed); ``--autoep`` runs stock + DeepSpeed
 AutoEP (adds ``"expert_parallel": {"enabled": true, "autoep_size": 1, "preset_model": "mixtral"}`` to the
 config in memory; implies ``--no-loongforge``). On: ds_loongforge's injection replaces the MoE blocks
-and RMSNorms, the layers' aux losses (load balancing + z-loss) are added to the LM loss, the optimizer follows
-the block (FusedAdamWClip) and, with ``loongforge.sampler.expert_aware``, batches come from the expert-aware
-sampler. Off: the stock model with transformers' own load-balancing loss (router_aux_loss_coef), torch AdamW
-through DeepSpeed, a DistributedSampler.
+and RMSNorms, the optimizer follows the block (FusedAdamWClip) and, with ``loongforge.sampler.expert_aware``,
+batches come from the expert-aware sampler. Off: the stock model, DeepSpeed's AdamW, a DistributedSampler. Both
+train on the same objective: the LM loss + transformers' load-balancing loss (the presets set
+output_router_logits and router_aux_loss_coef 0.01), plus ExpertMaskedMoE's own per-layer terms only when the
+loongforge block sets moe.aux_loss_coef / z_loss_coef.
 
 Data: real text by default; ``--data random`` trains on uniform random token ids over the model's whole vocabulary
 (seeded by ``--seed``, as the e2e anchors in shared/BENCHMARKS.md ran). The presets mixtral/finegrained keep their
@@ -199,21 +200,26 @@ def sequences_per_step(ds_config: dict, world: int) -> int:
     return max(1, int(micro) * int(accumulation or 1))
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, aux_loss_coef: float, stock: bool) -> nn.Module:
+# the presets' router_aux_loss_coef: transformers' load-balancing loss, the same model definition for every variant
+PRESET_AUX_LOSS_COEF = 0.01
+
+
+def build_model(name: str, vocab_size: int, seq_len: int) -> nn.Module:
+    """The same model for every variant: the presets turn the family's load-balancing loss on
+    (output_router_logits, router_aux_loss_coef 0.01); a config path keeps its own settings. LoongForge's injected
+    MoE layers keep that objective (transformers computes it from their router's logits)."""
     from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig
 
     if name in PRESETS:
         fields = dict(PRESETS[name])
         fields["vocab_size"] = max(fields["vocab_size"] or 0, vocab_size)
         config = MixtralConfig(**fields, max_position_embeddings=max(seq_len, 4096), tie_word_embeddings=False,
-                               router_aux_loss_coef=aux_loss_coef, output_router_logits=stock)
+                               router_aux_loss_coef=PRESET_AUX_LOSS_COEF, output_router_logits=True)
     elif os.path.exists(name):
         config = AutoConfig.from_pretrained(name)
         if getattr(config, "vocab_size", vocab_size) < vocab_size:
             raise ValueError(f"--model {name}: vocab_size {config.vocab_size} is smaller than the tokenizer's "
                              f"{vocab_size}")
-        if hasattr(config, "output_router_logits"):
-            config.output_router_logits = stock
     else:
         raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
     config._attn_implementation = "sdpa"
@@ -340,9 +346,15 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def forward_losses(engine, batch, layers, stock_aux_coef, annotate=contextlib.nullcontext, fused_loss=False):
-    """(language-model loss, auxiliary loss). ``fused_loss``: the model computes the loss from the labels
-    (LoongForge's fused linear cross-entropy: no logits), the same shifted mean over the non-ignored tokens."""
+def forward_losses(engine, batch, layers, annotate=contextlib.nullcontext, fused_loss=False):
+    """(language-model loss, auxiliary loss); training backpropagates their sum.
+
+    The auxiliary loss is the family's load-balancing loss (transformers' ``aux_loss`` x router_aux_loss_coef, when
+    the model config's output_router_logits is on) plus the terms LoongForge's MoE layers add (none unless the
+    loongforge block sets moe.aux_loss_coef / z_loss_coef). ``fused_loss``: the model computes the loss from the
+    labels (LoongForge's fused linear cross-entropy: no logits), the same shifted mean over the non-ignored
+    tokens, with the family's aux term already added as transformers adds it; it is taken out again for the
+    language-model loss this returns (the sum, and so the gradient, is the model's loss)."""
     with annotate("forward"):
         if fused_loss:
             out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -350,13 +362,19 @@ def forward_losses(engine, batch, layers, stock_aux_coef, annotate=contextlib.nu
         else:
             out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     with annotate("loss"):
-        loss = out.loss if fused_loss else lm_loss(out.logits, batch["labels"])
-    if layers:
-        aux = sum(m.aux_loss for m in layers if m.aux_loss is not None)
-    elif getattr(out, "aux_loss", None) is not None:
-        aux = stock_aux_coef * out.aux_loss
-    else:
-        aux = torch.zeros((), device=loss.device)
+        family_aux = None
+        if getattr(out, "aux_loss", None) is not None:
+            family_aux = engine.module.config.router_aux_loss_coef * out.aux_loss
+        if not fused_loss:
+            loss = lm_loss(out.logits, batch["labels"])
+        elif family_aux is not None:
+            loss = out.loss - family_aux
+        else:
+            loss = out.loss
+        aux = family_aux if family_aux is not None else torch.zeros((), device=loss.device)
+        ours = [m.aux_loss for m in layers if m.aux_loss is not None]
+        if ours:
+            aux = aux + sum(ours)
     return loss, aux
 
 
@@ -485,7 +503,7 @@ def main(argv=None) -> dict:
     variant = variant_name(ds_config, use_lf)
     tokenizer = _corpus.build_tokenizer(args.tokenizer)
     torch.manual_seed(args.seed)
-    model = build_model(args.model, tokenizer.vocab_size, args.seq_len, block.moe.aux_loss_coef, stock=not use_lf)
+    model = build_model(args.model, tokenizer.vocab_size, args.seq_len)
     model_vocab = model.get_input_embeddings().weight.shape[0]
     flops_per_token, active_params = model_flops_per_token(model, args.seq_len)
     experts_impl = getattr(model.config, "_experts_implementation", None)
@@ -605,7 +623,7 @@ def main(argv=None) -> dict:
             batch, real = next(batches)
             if probe:
                 memory_mark(f"until forward {micro}")
-            loss, aux = forward_losses(engine, batch, layers, block.moe.aux_loss_coef, annotate, fused_loss)
+            loss, aux = forward_losses(engine, batch, layers, annotate, fused_loss)
             if probe:
                 memory_mark(f"forward {micro}")
             with annotate("backward"):

@@ -143,7 +143,7 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         if not config.moe.expert_masked:
             report.not_replaced.append((path, f"{type(module).__name__}: moe.expert_masked is false"))
             continue
-        new, reason = _build_moe(module, preset, config, report)
+        new, reason = _build_moe(module, preset, config, report, getattr(model, "config", None))
         if new is None:
             report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
             continue
@@ -241,6 +241,35 @@ def _patch_rope(model: nn.Module, config: LoongForgeConfig, report: InjectionRep
         families[preset.name] += 1
 
 
+def _family_balancing(kwargs: dict, config: LoongForgeConfig, preset, model_config, report: InjectionReport) -> None:
+    """The load-balancing objective of an injected block: the family's own unless the block sets coefficients.
+
+    transformers computes the family's balancing loss from the router logits it records (our router is of the
+    family's router class, so it still records them) when the model config's ``output_router_logits`` is on:
+    one loss over the router logits of all layers together, ``router_aux_loss_coef`` x E x sum_e f_e P_e with f_e
+    counting each token's k choices. ExpertMaskedMoE's own loss is per layer with f_e summing to 1, summed over
+    the layers: for Mixtral's 8 layers top-2 its router gradient is 4x the family's, and the H200 e2e run at
+    644b933 (with a 0.001 z-loss the family does not have) trained 7% worse than stock on the same batches. So
+    an unset ``moe.aux_loss_coef`` / ``z_loss_coef`` turns ExpertMaskedMoE's terms off and the model trains on
+    exactly the objective it had; a set one adds ExpertMaskedMoE's term as asked."""
+    moe = config.moe
+    kwargs["aux_loss_coef"] = 0.0 if moe.aux_loss_coef is None else moe.aux_loss_coef
+    kwargs["z_loss_coef"] = 0.0 if moe.z_loss_coef is None else moe.z_loss_coef
+    if moe.aux_loss_coef is not None and moe.z_loss_coef is not None:
+        return
+    on = bool(getattr(model_config, "output_router_logits", False))
+    coef = getattr(model_config, "router_aux_loss_coef", None)
+    family = (f"transformers' load-balancing loss on the router logits (output_router_logits on, "
+              f"router_aux_loss_coef={coef})" if on else
+              "none: output_router_logits is off in the model config, as in the stock model")
+    note = (f"{preset.name}: load balancing is the family's own ({family}); ExpertMaskedMoE adds "
+            + ("no loss of its own" if not (kwargs["aux_loss_coef"] or kwargs["z_loss_coef"]) else
+               f"aux_loss_coef={kwargs['aux_loss_coef']}, z_loss_coef={kwargs['z_loss_coef']}")
+            + " (set moe.aux_loss_coef / moe.z_loss_coef to add its per-layer terms)")
+    if note not in report.notes:
+        report.notes.append(note)
+
+
 def _as_config(config) -> LoongForgeConfig:
     if isinstance(config, LoongForgeConfig):
         return config
@@ -333,7 +362,7 @@ class SharedExpertsMixin(nn.Module):
         return routed + shared
 
 
-def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: InjectionReport):
+def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: InjectionReport, model_config=None):
     """(replacement, None) or (None, reason)."""
     spec = preset.moe
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
@@ -361,6 +390,8 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
                 "apply) and ExpertMaskedMoE's aux/z losses are off (the family balances with its own scheme)")
         if note not in report.notes:
             report.notes.append(note)
+    else:
+        _family_balancing(kwargs, config, preset, model_config, report)
     renormalize = True if spec.renormalize_attr is None else bool(getattr(gate, spec.renormalize_attr))
     factory = {"device": gate_up_EIH.device, "dtype": gate_up_EIH.dtype}
     if ep_size > 1:

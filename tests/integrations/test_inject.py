@@ -168,6 +168,31 @@ def test_aux_loss_attribute_and_router_mode():
     assert block.aux_loss is not None and block.aux_loss.item() > 0
 
 
+def test_by_default_the_model_keeps_its_family_balancing_objective():
+    """Unset moe.aux_loss_coef / z_loss_coef: ExpertMaskedMoE adds no loss of its own (transformers' balancing
+    loss on the recorded router logits is the objective, as in stock); each set coefficient is used as given."""
+    model = build("mixtral").train()
+    report = inject(model, ENABLED)
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert all(b.aux_loss_coef == 0 and b.z_loss_coef == 0 for b in blocks)
+    assert any("load balancing is the family's own" in note and "router_aux_loss_coef=" in note
+               and "no loss of its own" in note for note in report.notes), report.notes
+    out = model(input_ids=torch.randint(0, VOCAB, (2, 8)))
+    assert out.aux_loss is not None and out.aux_loss.item() > 0  # the family's, from our router's logits
+    assert all(b.aux_loss is None or b.aux_loss.item() == 0 for b in blocks)
+
+    only_z = build("mixtral")
+    report = inject(only_z, {"enabled": True, "moe": {"z_loss_coef": 0.002}})
+    assert only_z.model.layers[0].mlp.aux_loss_coef == 0 and only_z.model.layers[0].mlp.z_loss_coef == 0.002
+    assert any("z_loss_coef=0.002" in note for note in report.notes), report.notes
+
+    config_cls, model_cls, kwargs, _ = FAMILIES["mixtral"]
+    off = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+        **{**COMMON, **kwargs, "output_router_logits": False}))
+    report = inject(off, ENABLED)
+    assert any("output_router_logits is off" in note for note in report.notes), report.notes
+
+
 def test_deepseek_keeps_its_router_and_reports_it():
     model = build("deepseek_v3")
     report = inject(model, {"enabled": True, "moe": {"router": "sampled"}})
