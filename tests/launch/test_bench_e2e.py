@@ -193,4 +193,6 @@ def test_bench_e2e_config_and_arguments():
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--shape", "mixtral", "--variants", "stock,deepspeed_moe"])
     args = bench_e2e.parse_args(["--shape", "finegrained"])
-    assert args.variant_names == ["stock", "autoep", "loongforge"] and args.steps == 100
+    assert args.variant_names == ["stock", "autoep", "loongforge", "loongforge-stock-order"] and args.steps == 100
+    args = bench_e2e.parse_args(["--shape", "finegrained", "--data", "random"])
+    assert args.variant_names == ["stock", "autoep", "loongforge"]
