@@ -51,6 +51,7 @@ class AdamWBucket:
     # the entries' scratch counters (steps) are copied from before the step and into after it
     shared_step: torch.Tensor | None = field(default=None, repr=False)
     step_scratch: torch.Tensor | None = field(default=None, repr=False)
+    pieces_layout: tuple | None = field(default=None, repr=False)  # what the cached slices were cut for
     _key: tuple = field(default=(), repr=False)
     _tables: tuple | None = field(default=None, repr=False)
 

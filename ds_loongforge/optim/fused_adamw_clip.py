@@ -166,8 +166,9 @@ class FusedAdamWClip(torch.optim.Optimizer):
         ``grad`` may also be the partition's gradient as a list of pieces that tile it from its start, in order
         (ZeRO's per-parameter gradient views): the bucket then has one entry per piece over the matching slices
         of the partition and its moments, so no flat copy of the gradients is made. Every entry needs its own
-        step counter in the kernel; they are scratch copies of the partition's one step, written back after the
-        step (``finish_partition_steps``)."""
+        step counter in the kernel; they are scratch copies of the partition's one step, written back by
+        ``step_buckets``. The slices are cut once and reused while the pieces' sizes and the partition's storage
+        stay the same (every step, in training)."""
         state = self._state_for(master)
         key = ("partition", group_index)
         bucket = self._buckets.get(key)
@@ -175,6 +176,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
             bucket = self._buckets[key] = AdamWBucket([], [], [], [], [])
         bucket.shared_step = None
         if isinstance(grad, torch.Tensor):
+            bucket.pieces_layout = None
             if low_precision is None:
                 bucket.params, bucket.masters = [master], None
             else:
@@ -183,23 +185,25 @@ class FusedAdamWClip(torch.optim.Optimizer):
             bucket.exp_avgs, bucket.exp_avg_sqs = [state["exp_avg"]], [state["exp_avg_sq"]]
             bucket.steps = [state["step"]]
             return bucket
-        sizes = [g.numel() for g in grad]
+        sizes = tuple(g.numel() for g in grad)
         if sum(sizes) > master.numel() or not grad:
             raise ValueError(f"partition_bucket: gradient pieces of {sum(sizes)} elements in {len(grad)} tensors "
                              f"do not fit the partition of {master.numel()}")
-        cut = lambda t: list(torch.split(t[:sum(sizes)], sizes))  # noqa: E731
-        masters = cut(master)
-        if low_precision is None:
-            bucket.params, bucket.masters = masters, None
-        else:
-            bucket.params, bucket.masters = cut(low_precision), masters
+        owners = (master, state["exp_avg"], state["exp_avg_sq"], state["step"], low_precision)
+        layout = (sizes,) + tuple(t.data_ptr() if t is not None else None for t in owners)
+        if bucket.pieces_layout != layout:  # the first step, or a new partition / loaded state: cut again
+            cut = lambda t: list(torch.split(t[:sum(sizes)], sizes))  # noqa: E731
+            masters = cut(master)
+            if low_precision is None:
+                bucket.params, bucket.masters = masters, None
+            else:
+                bucket.params, bucket.masters = cut(low_precision), masters
+            bucket.exp_avgs, bucket.exp_avg_sqs = cut(state["exp_avg"]), cut(state["exp_avg_sq"])
+            bucket.step_scratch = torch.empty(len(sizes), dtype=torch.float32, device=master.device)
+            bucket.steps = list(bucket.step_scratch.unbind())
+            bucket.pieces_layout = layout
         bucket.grads = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in grad]
-        bucket.exp_avgs, bucket.exp_avg_sqs = cut(state["exp_avg"]), cut(state["exp_avg_sq"])
-        scratch = bucket.step_scratch
-        if scratch is None or scratch.numel() != len(sizes) or scratch.device != master.device:
-            scratch = bucket.step_scratch = torch.empty(len(sizes), dtype=torch.float32, device=master.device)
-        scratch.copy_(state["step"].expand(len(sizes)))  # stream-ordered, no sync
-        bucket.steps = list(scratch.unbind())
+        bucket.step_scratch.copy_(state["step"].expand(len(sizes)))  # stream-ordered, no sync
         bucket.shared_step = state["step"]
         return bucket
 
