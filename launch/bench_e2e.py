@@ -23,7 +23,8 @@ stock tokens/s; peak memory no higher than the lowest stock peak; with text data
 DeepSpeed's. With text data a fourth variant, loongforge-stock-order, runs LoongForge without the expert-aware
 sampler: on stock's batches in stock's order, so its loss differs from stock's only by the numerics (the sampler's
 order alone moves the eval loss after 100 steps by more than 0.3%); the report also gives the two stock variants'
-eval-loss spread (the same math on the same batches), the resolution of this check in that run. Writes ``bench_e2e_<shape>[_<data>]_<commit>.{json,md,png}`` under ``--out`` and prints the table.
+eval-loss spread (the same math on the same batches), the resolution of this check in that run. Writes
+``bench_e2e_<shape>[_<data>]_<commit>.{json,md,png}`` under ``--out`` and prints the table.
 
 Shapes: mixtral = MixtralForCausalLM, 8 layers, hidden 2048, intermediate 4096, 8 experts top-2, 16 heads / 8 kv
 heads, vocab 32000, seq 2048 x micro-batch 4; finegrained = the same with intermediate 1024, 64 experts top-8;

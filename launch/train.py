@@ -415,14 +415,6 @@ def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int
     return (first, last) if first <= last else None
 
 
-def _uses_fused_loss(model) -> bool:
-    try:
-        from ds_loongforge.integrations.fused_loss import uses_fused_loss
-    except ImportError:
-        return False
-    return uses_fused_loss(model)
-
-
 def _step_mark(cuda: bool):
     if not cuda:
         return time.perf_counter()
@@ -498,6 +490,7 @@ def main(argv=None) -> dict:
 
     from ds_loongforge import profiler
     from ds_loongforge.config import parse_config
+    from ds_loongforge.integrations.fused_loss import uses_fused_loss
 
     block = parse_config(ds_config)
     variant = variant_name(ds_config, use_lf)
@@ -529,7 +522,7 @@ def main(argv=None) -> dict:
 
         inject(model, ds_config)  # logs one line per replaced kind and what was not replaced
     layers = moe_layers(model)
-    fused_loss = use_lf and _uses_fused_loss(model)
+    fused_loss = use_lf and uses_fused_loss(model)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %s (%s), %.2fM parameters (%.2fM active per token, %.3g training FLOPs per token), "
                 "variant %s", args.model, type(model).__name__, num_params / 1e6, active_params / 1e6,
