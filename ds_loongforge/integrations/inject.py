@@ -85,9 +85,13 @@ class InjectionReport:
             return "[LoongForge] inject: \"enabled\" is false; nothing replaced"
         lines = [f"[LoongForge] {kind}: {count} modules" for kind, count in self.replaced.items() if count]
         if not lines and self.already_injected:
-            lines.append(f"[LoongForge] inject: nothing left to replace; the model already holds "
-                         f"{self.already_injected} LoongForge modules")
-        elif not lines:
+            # a repeat call (train.py's inject, then deepspeed.initialize's): one line, what is on in brief; the
+            # first call reported the rest
+            on = [f"{kind}: {', '.join(names)}" for kind, names in self.patched_functions.items() if names]
+            on += [f"{KIND_FUSED_LOSS}: {self.fused_loss}"] if self.fused_loss else []
+            return (f"[LoongForge] inject: nothing left to replace; the model already holds "
+                    f"{self.already_injected} LoongForge modules" + (f" ({'; '.join(on)})" if on else ""))
+        if not lines:
             lines.append("[LoongForge] inject: no module replaced (no known RMSNorm, SwiGLU MLP or MoE block "
                          "of a supported family, or every kind switched off)")
         lines += [f"[LoongForge] {kind}: {', '.join(names)}" for kind, names in self.patched_functions.items()

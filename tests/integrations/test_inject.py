@@ -269,6 +269,7 @@ def test_second_inject_says_already_injected():
     report = inject(model, ENABLED)
     assert report.total_replaced == 0 and report.already_injected == 2 + 5  # MLPs, norms
     assert "already holds 7 LoongForge modules" in report.summary()
+    assert len(report.summary().splitlines()) == 1  # the first call's report is not repeated
 
 
 def test_log_lines(caplog):
