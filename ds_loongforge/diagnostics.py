@@ -9,12 +9,19 @@ summaries are plain dicts (JSON), small enough to keep next to a benchmark's num
   training loop's ``forward`` / ``loss`` / ``backward`` / ``step``) split by category, and the top kernels.
 - :func:`memory_at_peak`: replays a ``torch.cuda.memory._snapshot()`` trace to the moment the allocated bytes
   peaked and groups the blocks alive then by the first source line outside torch that allocated them.
+- :class:`HostSyncRecorder`: every operation inside its block that makes the host wait for the device (a CUDA
+  tensor's ``item()`` / ``tolist()`` / ``bool()``, ``nonzero``, a copy to pageable host memory, a synchronize),
+  counted by the source lines outside torch that called it. One such wait per step empties the GPU's queue, and
+  the host must then launch the rest of the step ahead of the GPU again: the GPU idles wherever the host is the
+  slower of the two (a forward of many small kernels).
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from typing import Any, Iterable
 
 # first match wins; names are lower-cased kernel names as the CUDA profiler reports them
@@ -213,5 +220,86 @@ def format_memory_at_peak(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda's text in sync debug mode "warn"
+
+
+def _sync_site(stack: list[traceback.FrameSummary], depth: int = 3) -> str:
+    """The ``depth`` innermost frames outside torch (and outside this module), innermost first."""
+    frames = [f for f in reversed(stack)
+              if "/torch/" not in f.filename and f.filename not in (__file__, warnings.__file__)]
+    if not frames:
+        return "(torch internal)"
+    return " <- ".join(f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} {f.name}" for f in frames[:depth])
+
+
+class HostSyncRecorder:
+    """Record the host-device synchronizations inside a ``with`` block (module doc): torch's CUDA sync debug
+    mode warns at each one, and the warning's Python stack names the caller. Other warnings pass through.
+
+        with HostSyncRecorder() as syncs:
+            train_step()
+        syncs.summary()  # {"count": 2, "sites": [{"where": "modeling_x.py:12 forward <- ...", "count": 2}]}
+
+    Explicit waits (``torch.cuda.synchronize()``, ``Stream.synchronize()``, ``Event.synchronize()``, e.g.
+    DeepSpeed's synchronized throughput timer) are counted too, through wrappers installed for the block: torch's
+    mode does not report all of them. Off CUDA the mode does nothing and only the wrappers count."""
+
+    _EXPLICIT = (("synchronize", None), ("synchronize", "Stream"), ("synchronize", "Event"))
+
+    def __init__(self, depth: int = 3):
+        self.depth = depth
+        self.sites: Counter[str] = Counter()
+        self._inside_explicit = False
+
+    def __enter__(self) -> "HostSyncRecorder":
+        import torch
+
+        self._torch = torch
+        self.active = torch.cuda.is_available()  # the mode needs CUDA initialised; elsewhere nothing syncs
+        self._previous_mode = torch.cuda.get_sync_debug_mode() if self.active else None
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.filterwarnings("always", message=_SYNC_WARNING)
+        self._show = warnings.showwarning
+        warnings.showwarning = self._on_warning
+        self._patched = []
+        for name, owner in self._EXPLICIT:
+            target = torch.cuda if owner is None else getattr(torch.cuda, owner)
+            original = getattr(target, name)
+            self._patched.append((target, name, original))
+            setattr(target, name, self._explicit(original))
+        if self.active:
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self._torch.cuda.set_sync_debug_mode(self._previous_mode)
+        for target, name, original in reversed(self._patched):
+            setattr(target, name, original)
+        self._catch.__exit__(*exc)
+
+    def _explicit(self, original):
+        def synchronize(*args, **kwargs):
+            self.sites[_sync_site(traceback.extract_stack()[:-1], self.depth)] += 1
+            self._inside_explicit = True  # torch's own warning for this wait (if any) is not counted twice
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside_explicit = False
+        return synchronize
+
+    def _on_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if _SYNC_WARNING in str(message):
+            if not self._inside_explicit:
+                self.sites[_sync_site(traceback.extract_stack()[:-1], self.depth)] += 1
+        else:
+            self._show(message, category, filename, lineno, file, line)
+
+    def summary(self) -> dict[str, Any]:
+        return {"cuda": self.active, "count": sum(self.sites.values()),
+                "sites": [{"where": where, "count": n} for where, n in self.sites.most_common()]}
+
+
 __all__ = ["KERNEL_CATEGORIES", "kernel_category", "kernel_timeline", "format_kernel_timeline", "memory_at_peak",
-           "format_memory_at_peak"]
+           "format_memory_at_peak", "HostSyncRecorder"]

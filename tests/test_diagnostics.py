@@ -1,12 +1,15 @@
 """ds_loongforge.diagnostics on synthetic profiler events and allocation traces (the GPU runs are in
 tests/launch/test_train.py::test_kernel_profile_and_memory_snapshot_on_cuda)."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from ds_loongforge import diagnostics as d
+from ds_loongforge.diagnostics import HostSyncRecorder
 
 
 def _event(name, start, end, device=DeviceType.CUDA, annotation=False, parent=None):
@@ -109,3 +112,46 @@ def test_memory_at_peak_replays_to_the_peak_and_groups_by_first_line_outside_tor
 def test_memory_at_peak_of_an_empty_trace():
     m = d.memory_at_peak({"device_traces": []}, baseline_bytes=2**30)
     assert m["peak_gib"] == 1.0 and m["live_at_peak"] == []
+
+
+def _emulated_sync():
+    # the text torch's CUDA sync debug mode warns with (a CPU build cannot raise the real one)
+    warnings.warn("called a synchronizing CUDA operation")
+
+
+def test_host_sync_recorder_counts_by_call_site_and_passes_other_warnings_through():
+    with warnings.catch_warnings(record=True) as passed:
+        warnings.simplefilter("always")
+        with HostSyncRecorder() as syncs:
+            for _ in range(3):
+                _emulated_sync()  # one site, three times: every occurrence counts, not once per location
+            _emulated_sync()
+            warnings.warn("an unrelated warning")
+    summary = syncs.summary()
+    assert summary["count"] == 4 and summary["cuda"] == torch.cuda.is_available()
+    (first, second) = summary["sites"]
+    assert first["count"] == 3 and second["count"] == 1
+    # innermost frame outside torch first: the helper, then its caller in this test
+    assert first["where"].split(" <- ")[0].split(":")[0].endswith("tests/test_diagnostics.py") and " _emulated_sync <- " in first["where"]
+    assert first["where"] != second["where"]
+    assert [str(w.message) for w in passed] == ["an unrelated warning"]
+    # the recorder restored the warning machinery: a sync warning now goes to the usual handlers
+    with warnings.catch_warnings(record=True) as after:
+        warnings.simplefilter("always")
+        _emulated_sync()
+    assert len(after) == 1 and syncs.summary()["count"] == 4
+
+
+def test_host_sync_recorder_counts_explicit_synchronize_calls(monkeypatch):
+    """torch.cuda.synchronize / Stream.synchronize / Event.synchronize inside the block are counted at their call
+    sites (DeepSpeed's synchronized throughput timer is one); the originals are back after the block."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    fake, event_sync, stream_sync = torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
+    with HostSyncRecorder() as syncs:
+        assert torch.cuda.Event.synchronize is not event_sync  # wrapped inside the block
+        torch.cuda.synchronize(0)
+    assert calls == [0] and torch.cuda.synchronize is fake
+    ((site,),) = [[s["where"] for s in syncs.summary()["sites"]]]
+    assert syncs.summary()["count"] == 1 and "test_host_sync_recorder_counts_explicit_synchronize_calls" in site
+    assert torch.cuda.Event.synchronize is event_sync and torch.cuda.Stream.synchronize is stream_sync
