@@ -389,6 +389,13 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
                              f"{c} {v:.1f}" for c, v in k["category_ms_per_iter"].items()))
             for phase, cats in k["range_category_ms_per_iter"].items():
                 lines.append(f"  - {phase}: " + ", ".join(f"{c} {v:.1f}" for c, v in cats.items()))
+    synced = [r for r in results if r.status == "ok" and (r.train_summary.get("host_syncs") or {}).get("cuda")]
+    if synced:
+        lines += ["", "Host waits for the device in step 3 (train.py --sync-debug; each empties the GPU's queue):", ""]
+        for r in synced:
+            h = r.train_summary["host_syncs"]
+            lines.append(f"- {r.variant}: {h['count']}" + (": " if h["sites"] else "") + "; ".join(
+                f"{e['count']}x {e['where']}" for e in h["sites"][:6]))
     peaks = [r for r in results if r.status == "ok" and r.train_summary.get("memory_at_peak")]
     if peaks:
         lines += ["", "Blocks alive at the peak of step 2 (train.py --memory-snapshot; GiB, by allocating line):", ""]
@@ -484,7 +491,7 @@ def main(argv=None) -> dict:
                 "--seed", str(args.seed), "--timing", "events", "--log-every", "10", "--eval-every", "0",
                 "--eval-batches", str(args.eval_batches), "--eval-fraction", str(EVAL_FRACTION),
                 "--peak-flops", repr(args.peak_flops), "--no-progress",
-                "--profile", "--memory-phases", *shlex.split(args.train_args)]
+                "--profile", "--memory-phases", "--sync-debug", *shlex.split(args.train_args)]
     print(f"bench_e2e {args.shape}: variants {', '.join(args.variant_names)}; logs and config in {log_dir}",
           flush=True)
 

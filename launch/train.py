@@ -135,6 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-snapshot", action="store_true",
                    help="CUDA: record the allocations of step 2 and report the blocks alive at its peak, grouped by "
                    "the source line that allocated them, in the summary (\"memory_at_peak\")")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="CUDA: count the host-device synchronizations of step 3 (torch's sync debug mode) by the "
+                   "source lines that caused them, in the summary (\"host_syncs\"); a training loop should have "
+                   "none but the loss read-back of --log-every steps")
     p.add_argument("--peak-flops", type=float, default=989e12,
                    help="peak dense bf16 FLOP/s per device for MFU (default 989e12: H200 SXM)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines instead)")
@@ -328,14 +332,23 @@ def device_batches(stream: BatchStream, device: torch.device):
     """THE one place where training batches move to the device: ds_loongforge's DevicePrefetcher copies the
     next (pinned) batch on a side stream while the current step computes. Yields (device batch, real tokens);
     the tokens are counted on the host batch before the copy (summing the device mask would block the host
-    on the device every micro-step). The prefetcher holds at most one batch ahead (``pending``): the saved
+    on the device every micro-step), and a batch without padding goes without its attention mask (below). The
+    prefetcher holds at most one batch ahead (``pending``): the saved
     data position subtracts it."""
     from ds_loongforge.data import DevicePrefetcher
 
     def host_batches():
         while True:
             batch = next(stream)
-            yield batch, int(batch["attention_mask"].sum())
+            mask = batch["attention_mask"]
+            real = int(mask.sum())
+            if real == mask.numel():
+                # No padding: to a causal LM an all-ones mask is no mask, and a mask given to transformers is read
+                # back to the host (its SDPA mask path checks padding_mask.all() to drop it): one host sync per
+                # forward, which empties the GPU's queue and leaves the forward's small kernels launch-bound.
+                # The host knows the answer already; the model gets no mask (the same math, the same losses).
+                batch = {key: value for key, value in batch.items() if key != "attention_mask"}
+            yield batch, real
 
     return DevicePrefetcher(host_batches(), device)
 
@@ -357,10 +370,10 @@ def forward_losses(engine, batch, layers, annotate=contextlib.nullcontext, fused
     language-model loss this returns (the sum, and so the gradient, is the model's loss)."""
     with annotate("forward"):
         if fused_loss:
-            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            out = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                          labels=batch["labels"])
         else:
-            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            out = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
     with annotate("loss"):
         family_aux = None
         if getattr(out, "aux_loss", None) is not None:
@@ -598,6 +611,8 @@ def main(argv=None) -> dict:
         step_ends.append(_step_mark(cuda and args.timing == "events"))
     kernel_window = kernel_profile_window(args.kernel_profile, start_step, args.steps) if cuda else None
     annotate, kernel_prof, kernels, memory_at_peak = contextlib.nullcontext, None, None, None
+    sync_step = min(start_step + 3, args.steps) if cuda and args.sync_debug else None
+    sync_recorder, host_syncs = None, None
     step = start_step
     for step in range(start_step + 1, args.steps + 1):
         tokens_this_step, step_loss = 0, 0.0
@@ -606,6 +621,10 @@ def main(argv=None) -> dict:
         if snapshot:
             snapshot_baseline = torch.cuda.memory_allocated(device)
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=4_000_000)
+        if step == sync_step:
+            from ds_loongforge.diagnostics import HostSyncRecorder
+
+            sync_recorder = HostSyncRecorder().__enter__()
         if kernel_window and step == kernel_window[0]:
             get_accelerator().synchronize()
             kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -674,6 +693,13 @@ def main(argv=None) -> dict:
                 logger.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in postfix.items()))
             loss_acc.zero_()
             window_tokens, window_start = 0, now
+        if sync_recorder is not None:
+            sync_recorder.__exit__(None, None, None)
+            host_syncs = {"step": step, **sync_recorder.summary()}
+            sync_recorder = None
+            if rank == 0:
+                logger.info("host syncs in step %d: %d\n%s", step, host_syncs["count"],
+                            "\n".join(f"  {s['count']:4d}  {s['where']}" for s in host_syncs["sites"]))
         bar.update(1)
         if steady_start is None:
             steady_start = time.perf_counter()
@@ -726,6 +752,7 @@ def main(argv=None) -> dict:
         else None,
         "peak_memory_gib_after_first_step": peak_after_first / 2**30 if peak_after_first is not None else None,
         "memory_phases": memory_phases, "kernels": kernels, "memory_at_peak": memory_at_peak,
+        "host_syncs": host_syncs,
         "step_losses": [round(v, 6) for v in step_losses],
     }
     if rank == 0:
