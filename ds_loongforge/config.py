@@ -117,6 +117,13 @@ class LoongForgeConfig(_Section):
         False,
         description="Raise when a fused op cannot be built instead of warning once and running its PyTorch "
         "reference. The environment variable LOONGFORGE_STRICT_OPS=1 does the same.")
+    async_throughput_timer: bool = Field(
+        True, strict=True, description="DeepSpeed's throughput timer (on by default) synchronizes the device at the "
+        "start of every forward and the end of every step (timers.throughput.synchronized, default true): two "
+        "host waits per step, each emptying the GPU's queue, after which the host must launch the next kernels "
+        "ahead of the GPU again. True: when the DeepSpeed config does not set timers.throughput.synchronized "
+        "itself, initialize sets it to false (the timer keeps its samples/s log, from host time). A value the "
+        "DeepSpeed config sets is kept either way.")
     fused_kernels: FusedKernelsConfig = Field(default_factory=FusedKernelsConfig,
                                               description="Which fused kernels to use.")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="The expert-masked MoE layer.")

@@ -29,11 +29,13 @@ model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermed
                                          num_experts_per_tok=2, max_position_embeddings=64))
 
 
-def report(module, optimizer):
+def report(module, optimizer, engine=None):
     model_params = {id(p) for p in module.parameters()}
     opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    timer_sync = engine.tput_timer.config.synchronized if engine is not None else None
     print("RESULT " + json.dumps({"types": sorted({type(m).__name__ for m in module.modules()}),
-                                  "optimizer_params_in_model": all(id(p) in model_params for p in opt_params)}))
+                                  "optimizer_params_in_model": all(id(p) in model_params for p in opt_params),
+                                  "timer_synchronized": timer_sync}))
 """
 
 # a plain DeepSpeed script: its own optimizer, one training step
@@ -45,7 +47,7 @@ engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
 ids = torch.randint(0, 64, (2, 16))
 engine.backward(engine(input_ids=ids, labels=ids).loss)
 engine.step()
-report(engine.module, engine.optimizer)
+report(engine.module, engine.optimizer, engine)
 """
 
 # a script launched as `deepspeed script.py --deepspeed --deepspeed_config cfg.json`: the config comes from args,
@@ -76,7 +78,7 @@ args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_step
                          learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True)
 trainer = Trainer(model=model, args=args, train_dataset=data)
 trainer.train()
-report(trainer.model_wrapped.module, trainer.optimizer)
+report(trainer.model_wrapped.module, trainer.optimizer, trainer.model_wrapped)
 # the Trainer leaves DeepSpeed's gloo process group up; tearing it down at interpreter exit instead aborted
 # once in CI ("terminate called without an active exception", exit -6) after the run had finished
 torch.distributed.destroy_process_group()
@@ -184,6 +186,9 @@ def test_enabled_block_replaces_modules(ds_runs):
     # the script's AdamW was built before injection; it must now hold the injected modules' Parameters
     assert "[LoongForge] client optimizer: 6 parameters remapped" in output
     assert result["optimizer_params_in_model"]
+    # DeepSpeed's throughput timer no longer synchronizes the device twice per step (async_throughput_timer)
+    assert result["timer_synchronized"] is False
+    assert "[LoongForge] DeepSpeed throughput timer: no device synchronize" in output
 
 
 def test_summary_names_what_was_not_replaced(ds_runs):
@@ -210,6 +215,7 @@ def test_stock_deepspeed_without_enabled_block(ds_runs, case):
     types = set(result["types"])
     assert STOCK_TYPES <= types and not OUR_TYPES & types, sorted(types)
     assert "[LoongForge]" not in output
+    assert result["timer_synchronized"] is True  # DeepSpeed's default, untouched
 
 
 def test_hf_trainer_with_deepspeed_config(tmp_path, autoload_installed):
@@ -229,6 +235,7 @@ def test_hf_trainer_with_deepspeed_config(tmp_path, autoload_installed):
     # the Trainer builds its optimizer before deepspeed.initialize: without the remap it would train stale copies
     assert "[LoongForge] client optimizer: 6 parameters remapped" in output
     assert result["optimizer_params_in_model"]
+    assert result["timer_synchronized"] is False
 
 
 def test_library_entry_points_are_lazy():
@@ -243,3 +250,33 @@ def test_library_entry_points_are_lazy():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=_env({"LOONGFORGE_DISABLE": "1"}))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("user_timers,block,expected", [
+    (None, {}, {"throughput": {"synchronized": False}}),
+    ({"throughput": {"enabled": True}}, {}, {"throughput": {"enabled": True, "synchronized": False}}),
+    ({"throughput": {"synchronized": True}}, {}, {"throughput": {"synchronized": True}}),  # the user's choice
+    ({"throughput": {"enabled": False}}, {}, {"throughput": {"enabled": False}}),  # no timer, nothing to change
+    (None, {"async_throughput_timer": False}, None),
+])
+def test_throughput_timer_setting(user_timers, block, expected):
+    """initialize turns DeepSpeed's per-step device synchronizes of its throughput timer off unless the DeepSpeed
+    config sets them or the block says not to; the caller's dict is never modified."""
+    from ds_loongforge.config import parse_config
+    from ds_loongforge.integrations.deepspeed_hook import _throughput_timer_setting
+
+    ds_config = {**DS_BASE, "loongforge": {"enabled": True, **block}}
+    if user_timers is not None:
+        ds_config["timers"] = user_timers
+    before = json.dumps(ds_config, sort_keys=True)
+    out = _throughput_timer_setting(ds_config, parse_config(ds_config))
+    assert json.dumps(ds_config, sort_keys=True) == before
+    assert out.get("timers") == expected
+    assert {k: v for k, v in out.items() if k != "timers"} == {k: v for k, v in ds_config.items() if k != "timers"}
+
+
+def test_async_throughput_timer_must_be_a_bool():
+    from ds_loongforge.config import LoongForgeConfigError, parse_config
+
+    with pytest.raises(LoongForgeConfigError, match="async_throughput_timer = 'yes'"):
+        parse_config({"loongforge": {"enabled": True, "async_throughput_timer": "yes"}})
