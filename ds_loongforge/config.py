@@ -6,6 +6,7 @@ typo never silently turns an optimization off.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -158,3 +159,24 @@ def apply_op_settings(config: LoongForgeConfig) -> None:
     from ds_loongforge.ops._dispatch import set_strict_ops
 
     set_strict_ops(True if config.strict_ops else None)
+
+
+def throughput_timer_setting(ds_config: dict[str, Any], config: LoongForgeConfig | None = None) -> dict[str, Any]:
+    """The DeepSpeed config to pass on: when the block is enabled with ``async_throughput_timer`` (the default)
+    and the DeepSpeed config leaves ``timers.throughput.synchronized`` unset, a copy with it set to false
+    (DeepSpeed's default, true, synchronizes the device twice per step: LoongForgeConfig.async_throughput_timer);
+    otherwise ``ds_config`` itself. The caller's dict is never modified. ``config``: the parsed block (parsed
+    from ``ds_config`` when not given)."""
+    config = parse_config(ds_config) if config is None else config
+    timers = ds_config.get("timers") or {}
+    throughput = timers.get("throughput") or {}
+    log = logging.getLogger("ds_loongforge")
+    if not config.enabled or not config.async_throughput_timer or throughput.get("enabled") is False:
+        return ds_config
+    if "synchronized" in throughput:
+        log.info("[LoongForge] DeepSpeed throughput timer: synchronized=%s, as the DeepSpeed config sets it",
+                 throughput["synchronized"])
+        return ds_config
+    log.info("[LoongForge] DeepSpeed throughput timer: no device synchronize at each forward and step "
+             "(timers.throughput.synchronized=false; set it in the DeepSpeed config to choose)")
+    return {**ds_config, "timers": {**timers, "throughput": {**throughput, "synchronized": False}}}

@@ -18,6 +18,7 @@ summaries are plain dicts (JSON), small enough to keep next to a benchmark's num
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 import warnings
@@ -153,6 +154,19 @@ def format_kernel_timeline(t: dict[str, Any], top: int = 25) -> str:
     return "\n".join(lines)
 
 
+_TORCH_PACKAGE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
+
+
+def _is_torch_frame(filename: str) -> bool:
+    """torch's own code: a Python file of the torch package (installed anywhere: by its site-packages path, not
+    by a bare "torch" directory, which an environment's own path may hold, e.g. /opt/torch/.venv/...), or a
+    C++ frame (a memory snapshot's frames include them)."""
+    import torch
+
+    return (filename.startswith(os.path.dirname(torch.__file__) + os.sep) or bool(_TORCH_PACKAGE.search(filename))
+            or not filename.endswith(".py"))
+
+
 def _frame_key(frames: list[dict[str, Any]]) -> str:
     """The innermost frame outside torch (and outside this module), with the innermost torch function that
     allocated: 'transformers/models/mixtral/modeling_mixtral.py:123 forward <- linear'."""
@@ -160,12 +174,11 @@ def _frame_key(frames: list[dict[str, Any]]) -> str:
     for frame in frames:
         filename = frame.get("filename", "")
         name = frame.get("name", "")
-        in_torch = "/torch/" in filename or filename.startswith("<") or filename == "??"
-        if in_torch:
-            if inner is None and name and not name.startswith("_"):
-                inner = name
+        if _is_torch_frame(filename):
+            if inner is None and name and not name.startswith("_") and filename.endswith(".py"):
+                inner = name  # the innermost torch Python function (C++ frames' names are too deep to help)
             continue
-        if filename.endswith("diagnostics.py"):
+        if filename == __file__:
             continue
         short = "/".join(filename.split("/")[-3:])
         return f"{short}:{frame.get('line', '?')} {name}" + (f" <- {inner}" if inner else "")
@@ -224,12 +237,16 @@ _SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda's text in sy
 
 
 def _sync_site(stack: list[traceback.FrameSummary], depth: int = 3) -> str:
-    """The ``depth`` innermost frames outside torch (and outside this module), innermost first."""
-    frames = [f for f in reversed(stack)
-              if "/torch/" not in f.filename and f.filename not in (__file__, warnings.__file__)]
-    if not frames:
-        return "(torch internal)"
-    return " <- ".join(f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} {f.name}" for f in frames[:depth])
+    """The innermost frame (in brackets when it is torch's own code) and the ``depth`` innermost frames outside
+    torch's package and this module, innermost first."""
+    ours = (__file__, warnings.__file__)
+    frames = [f for f in reversed(stack) if f.filename not in ours]
+    short = lambda f: f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} {f.name}"  # noqa: E731
+    outside = [f for f in frames if not _is_torch_frame(f.filename)]
+    inner = f"[{short(frames[0])}] " if frames and _is_torch_frame(frames[0].filename) else ""
+    if not outside:
+        return inner + "(torch internal)"
+    return inner + " <- ".join(short(f) for f in outside[:depth])
 
 
 class HostSyncRecorder:

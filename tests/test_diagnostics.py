@@ -83,11 +83,15 @@ def _frames(*pairs):
 
 
 def test_memory_at_peak_replays_to_the_peak_and_groups_by_first_line_outside_torch():
-    model = ("/site/transformers/models/mixtral/modeling_mixtral.py", 120, "forward")
+    # an environment under a directory named torch (the H200 image's /opt/torch/.venv): its transformers
+    # frames are outside torch, only the torch package's own files (and C++ frames) are torch's
+    model = ("/opt/torch/.venv/lib/python3.12/site-packages/transformers/models/mixtral/modeling_mixtral.py", 120,
+             "forward")
     loss = ("/repo/launch/train.py", 321, "lm_loss")
-    linear = ("/site/torch/nn/modules/linear.py", 125, "forward")
+    linear = ("/opt/torch/.venv/lib/python3.12/site-packages/torch/nn/modules/linear.py", 125, "forward")
+    cpp = ("/pytorch/aten/src/ATen/native/cuda/Blas.cpp", 200, "addmm_out_cuda_impl")
     trace = [
-        {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(linear, model)},
+        {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(cpp, linear, model)},
         {"action": "alloc", "addr": 2, "size": 300, "frames": _frames(loss)},
         {"action": "alloc", "addr": 3, "size": 50, "frames": _frames(linear, model)},
         {"action": "free_requested", "addr": 2, "size": 300},

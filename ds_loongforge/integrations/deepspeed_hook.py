@@ -112,7 +112,7 @@ def _resolve_config(call: dict) -> Any:
 
 
 def _initialize_enabled(original, call: dict, ds_config: dict, config):
-    from ds_loongforge.config import apply_op_settings
+    from ds_loongforge.config import apply_op_settings, throughput_timer_setting
     from ds_loongforge.integrations.inject import inject
     from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
     from ds_loongforge.optim import initialize as optim_initialize
@@ -140,7 +140,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
 
     # DeepSpeed reads the config from one place only; pass it as a dict and hide it from args
     call.pop("config_params", None)
-    call["config"] = _throughput_timer_setting(ds_config, config)
+    call["config"] = throughput_timer_setting(ds_config, config)
     cli_args = call.get("args")
     if cli_args is not None and (getattr(cli_args, "deepspeed_config", None) is not None
                                  or getattr(cli_args, "deepscale_config", None) is not None):
@@ -182,23 +182,6 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
     return engine, optimizer, loader, scheduler
-
-
-def _throughput_timer_setting(ds_config: dict, config) -> dict:
-    """The DeepSpeed config initialize passes on: with ``async_throughput_timer`` (the default) and no
-    ``timers.throughput.synchronized`` of the user's, a copy with it set to false (DeepSpeed's default, true,
-    synchronizes the device twice per step, see LoongForgeConfig.async_throughput_timer). The caller's dict is
-    not modified."""
-    timers = ds_config.get("timers") or {}
-    throughput = timers.get("throughput") or {}
-    if not config.async_throughput_timer or "synchronized" in throughput or throughput.get("enabled") is False:
-        if "synchronized" in throughput:
-            logger.info("[LoongForge] DeepSpeed throughput timer: synchronized=%s, as the DeepSpeed config sets it",
-                        throughput["synchronized"])
-        return ds_config
-    logger.info("[LoongForge] DeepSpeed throughput timer: no device synchronize at each forward and step "
-                "(timers.throughput.synchronized=false; set it in the DeepSpeed config to choose)")
-    return {**ds_config, "timers": {**timers, "throughput": {**throughput, "synchronized": False}}}
 
 
 def _start_profiler(engine, report_every: int) -> None:

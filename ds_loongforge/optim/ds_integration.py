@@ -125,6 +125,9 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
     """``deepspeed.initialize`` that builds FusedAdamWClip when the config selects it (see the module doc)."""
     import deepspeed
 
+    from ds_loongforge.config import throughput_timer_setting
+
+    config = throughput_timer_setting(config)  # an enabled loongforge block: no per-step timer syncs
     if not uses_fused_adamw_clip(config):
         return deepspeed.initialize(model=model, model_parameters=model_parameters, config=config, **kwargs)
     if kwargs.get("optimizer") is not None:

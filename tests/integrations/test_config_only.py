@@ -258,18 +258,19 @@ def test_library_entry_points_are_lazy():
     ({"throughput": {"synchronized": True}}, {}, {"throughput": {"synchronized": True}}),  # the user's choice
     ({"throughput": {"enabled": False}}, {}, {"throughput": {"enabled": False}}),  # no timer, nothing to change
     (None, {"async_throughput_timer": False}, None),
+    (None, {"enabled": False}, None),  # a disabled block changes nothing
 ])
 def test_throughput_timer_setting(user_timers, block, expected):
     """initialize turns DeepSpeed's per-step device synchronizes of its throughput timer off unless the DeepSpeed
     config sets them or the block says not to; the caller's dict is never modified."""
-    from ds_loongforge.config import parse_config
-    from ds_loongforge.integrations.deepspeed_hook import _throughput_timer_setting
+    from ds_loongforge.config import parse_config, throughput_timer_setting
 
     ds_config = {**DS_BASE, "loongforge": {"enabled": True, **block}}
     if user_timers is not None:
         ds_config["timers"] = user_timers
     before = json.dumps(ds_config, sort_keys=True)
-    out = _throughput_timer_setting(ds_config, parse_config(ds_config))
+    out = throughput_timer_setting(ds_config, parse_config(ds_config))
+    assert throughput_timer_setting(ds_config) == out  # the block parsed from the config itself
     assert json.dumps(ds_config, sort_keys=True) == before
     assert out.get("timers") == expected
     assert {k: v for k, v in out.items() if k != "timers"} == {k: v for k, v in ds_config.items() if k != "timers"}
