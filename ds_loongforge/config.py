@@ -51,6 +51,12 @@ class MoEConfig(_Section):
     z_loss_coef: float | None = Field(
         None, ge=0, description="Coefficient of the router z-loss. None (the default): none for an injected "
         "transformers model (the supported families have no z-loss), 0.001 for a standalone layer.")
+    sync_free_balancing_loss: bool = Field(
+        True, strict=True, description="Replace the family's load_balancing_loss_func (transformers computes it "
+        "when output_router_logits is on) with LoongForge's: the same value with no host-device sync "
+        "(transformers' makes the host wait for the GPU in every forward; ds_loongforge.integrations."
+        "balancing_loss). Process-wide patch of modeling_<family>.load_balancing_loss_func, installed only where "
+        "the family's function passes a value check.")
     ep_size: int = Field(1, ge=1, description="Expert-parallel group size; must divide the world size and the "
                          "number of experts.")
     all_to_all_buffer_factor: float = Field(1.2, gt=0, description="Receive buffers start at ceil(factor * tokens "

@@ -32,6 +32,7 @@ preset covers, or that a preset cannot convert, are listed in the report with th
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ KIND_MLP = "fused SwiGLU MLP"
 KIND_MOE = "ExpertMaskedMoE"
 KIND_MOE_EP = "DeepSpeedExpertMaskedMoE"
 KIND_ROPE = "fused RoPE"
+KIND_BALANCING = "load-balancing loss without host sync"
 OP_IMPL = "auto"
 # class-name endings of modules that look replaceable: listed as not replaced when no preset covers them
 _LOOKALIKE_SUFFIXES = ("RMSNorm", "MLP", "SparseMoeBlock", "MoeBlock", "MoE")
@@ -176,6 +178,7 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
             report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
     _patch_rope(model, config, report, families)
+    _patch_balancing(model, config, report)
     _install_fused_loss(model, config, report)
 
     known = ", ".join(p.name for p, _ in active)
@@ -190,6 +193,27 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
     for line in report.summary().splitlines():
         logger.info(line)
     return report
+
+
+def _patch_balancing(model: nn.Module, config: LoongForgeConfig, report: InjectionReport) -> None:
+    """Replace ``load_balancing_loss_func`` of each transformers modeling module that defines a class of the model
+    with LoongForge's host-sync-free implementation (``ds_loongforge.integrations.balancing_loss``: the same value;
+    installed only where the family's function passes its check)."""
+    from ds_loongforge.integrations import balancing_loss
+
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(module_name)
+        if not module_name.startswith("transformers.models.") or not hasattr(module, balancing_loss.FUNCTION):
+            continue
+        name = f"{module_name.rpartition('.')[2]}.{balancing_loss.FUNCTION}"
+        if not config.moe.sync_free_balancing_loss:
+            reason = "moe.sync_free_balancing_loss is false"
+        else:
+            reason = balancing_loss.patch(module_name)
+        if reason:
+            report.not_patched.append((name, reason))
+        else:
+            report.patched_functions.setdefault(KIND_BALANCING, []).append(name)
 
 
 def _install_fused_loss(model: nn.Module, config: LoongForgeConfig, report: InjectionReport) -> None:

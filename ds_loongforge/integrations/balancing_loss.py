@@ -1,0 +1,147 @@
+"""The family's load-balancing loss without a host sync: ``modeling_<family>.load_balancing_loss_func`` ->
+:func:`load_balancing_loss`.
+
+transformers' MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) add ``router_aux_loss_coef x
+load_balancing_loss_func(router_logits, E, k, attention_mask)`` to the training loss when the model config's
+``output_router_logits`` is on. On CUDA that function makes the host wait for the device in every forward (the
+H200 run at ec1e978 counted 16 waits per Mixtral forward, at its expert-count line, with ``train.py --sync-debug``):
+each wait empties the GPU's queue, and the host must then launch the rest of the forward's small kernels ahead of
+the GPU again, which it cannot, so the forward runs at the host's launch rate.
+
+:func:`load_balancing_loss` computes the same value (Switch Transformer eqs. 4-6, as transformers: per layer the
+softmax of the logits in their dtype, the top-k choices, counts of the choices per expert and summed fp32
+probabilities, masked by ``attention_mask`` when one is given; both normalised by the rows counted over all
+layers; ``E x sum_e f_e P_e``) with device-side counts only: a ``scatter_add_`` of ones (exact integers in fp32,
+so the same bits in any order) instead of ``histc`` / ``one_hot`` / ``bincount``.
+
+transformers' forward looks the function up in its modeling module at call time, so the replacement is a
+process-wide patch of that module attribute (like the fused RoPE, ``ds_loongforge.integrations.rope``). It is
+installed only where the family's function has the standard signature and gives the same values as
+:func:`load_balancing_loss` on a small fp64 check (with and without a mask): a transformers version that
+computes something else keeps its own function, and inject says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from typing import Callable
+
+import torch
+
+FUNCTION = "load_balancing_loss_func"
+ORIGINAL_ATTR = "__loongforge_original__"  # on the installed function: the one it replaced
+_PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+
+_lock = threading.Lock()
+_patched: dict[str, Callable] = {}  # modeling module -> function installed there
+
+
+def load_balancing_loss(gate_logits, num_experts: int | None = None, top_k: int = 2,
+                        attention_mask: torch.Tensor | None = None):
+    """transformers' ``load_balancing_loss_func`` (same arguments, same value), with no host-device sync.
+
+    gate_logits: a tuple of per-layer router logits [rows, E] (anything else: 0, as transformers returns);
+    attention_mask: [batch, seq] with batch x seq = rows, 1 for tokens that count."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    device = gate_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    flat_mask = None
+    if attention_mask is not None:
+        flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+        weights = flat_mask.repeat_interleave(top_k)  # one per (row, choice), row-major as topk's indices
+    rows = 0
+    for layer_logits in gate_logits:
+        routing = torch.softmax(layer_logits.to(device), dim=-1)
+        _, chosen = torch.topk(routing, top_k, dim=-1)
+        chosen = chosen.reshape(-1)
+        if flat_mask is None:
+            counts.scatter_add_(0, chosen, torch.ones((), dtype=torch.float32, device=device).expand_as(chosen))
+            probs += routing.float().sum(dim=0)
+            rows += routing.shape[0]
+        else:
+            counts.scatter_add_(0, chosen, weights)
+            probs += (routing.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + flat_mask.sum()
+    return torch.sum((counts / rows) * (probs / rows)) * num_experts
+
+
+def standard_problem(function: Callable) -> str | None:
+    """None when ``function`` has the standard signature and gives :func:`load_balancing_loss`'s values (to fp32
+    rounding) on a small fp64 CPU input, without a mask and with a mask that hides some rows; else what differs."""
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    if names != _PARAMS:
+        return f"signature ({', '.join(names)}) is not ({', '.join(_PARAMS)})"
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG alone
+    batch, seq, experts, k = 2, 5, 6, 2
+    logits = tuple(torch.randn(batch * seq, experts, dtype=torch.float64, generator=gen) for _ in range(3))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, 3:] = 0
+    for m in (None, mask):
+        try:
+            theirs = function(logits, experts, k, m)
+        except Exception as err:  # noqa: BLE001
+            return f"it raises on a standard input ({type(err).__name__}: {err})"
+        ours = load_balancing_loss(logits, experts, k, m)
+        # fp32 accumulation here (as transformers 5.2x); other versions may sum in fp64: a formula that differs
+        # (a factor k or E, another normalisation) is off by far more than fp32 rounding
+        if not (isinstance(theirs, torch.Tensor) and torch.allclose(theirs.double(), ours.double(), rtol=1e-5,
+                                                                    atol=1e-7)):
+            return (f"it computes {theirs!r} where the Switch loss is {float(ours):.6f} "
+                    f"({'with' if m is not None else 'without'} an attention mask)")
+    return None
+
+
+def patch(module_name: str) -> str | None:
+    """Install :func:`load_balancing_loss` as ``module_name.load_balancing_loss_func``; None when done (or
+    already done), else why the family's function was left alone."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return f"{module_name} does not import ({err})"
+    with _lock:
+        current = getattr(module, FUNCTION, None)
+        if current is None:
+            return f"{module_name} has no {FUNCTION}"
+        if getattr(current, ORIGINAL_ATTR, None) is not None:
+            _patched[module_name] = current
+            return None
+        problem = standard_problem(current)
+        if problem is not None:
+            return f"not the standard Switch load-balancing loss: {problem}"
+
+        def installed(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+            return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+
+        installed.__doc__ = load_balancing_loss.__doc__
+        installed.__name__ = installed.__qualname__ = FUNCTION
+        setattr(installed, ORIGINAL_ATTR, current)
+        setattr(module, FUNCTION, installed)
+        _patched[module_name] = installed
+    return None
+
+
+def patched() -> list[str]:
+    """``module.load_balancing_loss_func`` of every replacement installed and still in place."""
+    with _lock:
+        return [f"{m}.{FUNCTION}" for m, f in _patched.items() if getattr(importlib.import_module(m), FUNCTION, None)
+                is f]
+
+
+def restore() -> list[str]:
+    """Put every replaced function back (the patch is process-wide); returns ``module.function`` of each."""
+    restored = []
+    with _lock:
+        for module_name, installed in list(_patched.items()):
+            module = importlib.import_module(module_name)
+            if getattr(module, FUNCTION, None) is installed:
+                setattr(module, FUNCTION, getattr(installed, ORIGINAL_ATTR))
+                restored.append(f"{module_name}.{FUNCTION}")
+            del _patched[module_name]
+    return restored
