@@ -37,7 +37,7 @@ FAMILIES = {
 }
 # every other kind off: the model differs from stock in its rotary function only
 ROPE_ONLY = {"enabled": True, "fused_kernels": {name: name == "rope" for name in FusedKernelsConfig.model_fields},
-             "moe": {"expert_masked": False}}
+             "moe": {"expert_masked": False, "sync_free_balancing_loss": False}}
 ALL_ON = {"enabled": True}
 ORIGINALS = {name: module.apply_rotary_pos_emb for name, (_, _, module, _) in FAMILIES.items()}
 
@@ -50,6 +50,11 @@ def _restore_rope():
     rope.restore()
     for name, (_, _, module, _) in FAMILIES.items():
         assert module.apply_rotary_pos_emb is ORIGINALS[name], f"{name}: a test left its patch in place"
+
+
+def _rope_patches(report) -> dict:
+    """The report's patched functions of the RoPE kind (ALL_ON also installs the balancing-loss function)."""
+    return {kind: names for kind, names in report.patched_functions.items() if kind.startswith(KIND_ROPE)}
 
 
 def build(family: str, device="cpu", dtype=torch.float32, **overrides) -> nn.Module:
@@ -165,7 +170,7 @@ def test_without_liger_nothing_is_patched(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="ds_loongforge"):
         report = inject(model, ALL_ON)
     assert modeling_mixtral.apply_rotary_pos_emb is ORIGINALS["mixtral"]
-    assert report.patched_functions == {}
+    assert _rope_patches(report) == {}
     assert report.not_patched == [("modeling_mixtral.apply_rotary_pos_emb",
                                    "liger-kernel is not installed (pip install liger-kernel)")]
     assert ("[LoongForge] not replaced: modeling_mixtral.apply_rotary_pos_emb: liger-kernel is not installed"
@@ -183,7 +188,7 @@ def test_no_cuda_device_nothing_is_patched(monkeypatch):
 def test_switched_off_nothing_is_patched(monkeypatch):
     fake_liger(monkeypatch)
     report = inject(build("mixtral"), {"enabled": True, "fused_kernels": {"rope": False}})
-    assert modeling_mixtral.apply_rotary_pos_emb is ORIGINALS["mixtral"] and report.patched_functions == {}
+    assert modeling_mixtral.apply_rotary_pos_emb is ORIGINALS["mixtral"] and _rope_patches(report) == {}
     assert report.not_patched == [("modeling_mixtral.apply_rotary_pos_emb", "fused_kernels.rope is false")]
     report = inject(build("mixtral"), {"enabled": False})
     assert modeling_mixtral.apply_rotary_pos_emb is ORIGINALS["mixtral"] and report.not_patched == []
@@ -211,7 +216,7 @@ def test_patch_is_idempotent_and_keeps_the_original(monkeypatch, caplog):
     assert getattr(wrapper, rope.ORIGINAL_ATTR) is ORIGINALS["mixtral"]
     assert rope.original(wrapper) is ORIGINALS["mixtral"]
     assert getattr(wrapper, rope.FUSED_ATTR) is fused
-    assert first.patched_functions == {f"{KIND_ROPE} (fake-liger 0.0)": ["modeling_mixtral.apply_rotary_pos_emb"]}
+    assert _rope_patches(first) == {f"{KIND_ROPE} (fake-liger 0.0)": ["modeling_mixtral.apply_rotary_pos_emb"]}
     assert "[LoongForge] fused RoPE (fake-liger 0.0): modeling_mixtral.apply_rotary_pos_emb" in caplog.text
     assert first.families == ["mixtral"]
 
