@@ -23,19 +23,18 @@ computes something else keeps its own function, and inject says why.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import threading
 from typing import Callable
 
 import torch
 
+from ds_loongforge.integrations import _patching
+
 FUNCTION = "load_balancing_loss_func"
-ORIGINAL_ATTR = "__loongforge_original__"  # on the installed function: the one it replaced
+ORIGINAL_ATTR = _patching.ORIGINAL_ATTR  # on the installed function: the one it replaced
 _PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 
-_lock = threading.Lock()
-_patched: dict[str, Callable] = {}  # modeling module -> function installed there
+_patches = _patching.ModulePatches("Switch load-balancing loss")
 
 
 def load_balancing_loss(gate_logits, num_experts: int | None = None, top_k: int = 2,
@@ -101,47 +100,22 @@ def standard_problem(function: Callable) -> str | None:
 def patch(module_name: str) -> str | None:
     """Install :func:`load_balancing_loss` as ``module_name.load_balancing_loss_func``; None when done (or
     already done), else why the family's function was left alone."""
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        return f"{module_name} does not import ({err})"
-    with _lock:
-        current = getattr(module, FUNCTION, None)
-        if current is None:
-            return f"{module_name} has no {FUNCTION}"
-        if getattr(current, ORIGINAL_ATTR, None) is not None:
-            _patched[module_name] = current
-            return None
-        problem = standard_problem(current)
-        if problem is not None:
-            return f"not the standard Switch load-balancing loss: {problem}"
+    return _patches.patch(module_name, FUNCTION, standard_problem, lambda current: _installed())
 
-        def installed(gate_logits, num_experts=None, top_k=2, attention_mask=None):
-            return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
 
-        installed.__doc__ = load_balancing_loss.__doc__
-        installed.__name__ = installed.__qualname__ = FUNCTION
-        setattr(installed, ORIGINAL_ATTR, current)
-        setattr(module, FUNCTION, installed)
-        _patched[module_name] = installed
-    return None
+def _installed() -> Callable:
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+
+    load_balancing_loss_func.__doc__ = load_balancing_loss.__doc__
+    return load_balancing_loss_func
 
 
 def patched() -> list[str]:
     """``module.load_balancing_loss_func`` of every replacement installed and still in place."""
-    with _lock:
-        return [f"{m}.{FUNCTION}" for m, f in _patched.items() if getattr(importlib.import_module(m), FUNCTION, None)
-                is f]
+    return _patches.patched()
 
 
 def restore() -> list[str]:
     """Put every replaced function back (the patch is process-wide); returns ``module.function`` of each."""
-    restored = []
-    with _lock:
-        for module_name, installed in list(_patched.items()):
-            module = importlib.import_module(module_name)
-            if getattr(module, FUNCTION, None) is installed:
-                setattr(module, FUNCTION, getattr(installed, ORIGINAL_ATTR))
-                restored.append(f"{module_name}.{FUNCTION}")
-            del _patched[module_name]
-    return restored
+    return _patches.restore()

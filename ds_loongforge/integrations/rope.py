@@ -40,25 +40,26 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import threading
 import warnings
 from typing import Callable
 
 import torch
 
+from ds_loongforge.integrations import _patching
+
 logger = logging.getLogger("ds_loongforge")
 
 LIGER_DIST = "liger-kernel"
 LIGER_MODULE = "liger_kernel.transformers.rope"
-ORIGINAL_ATTR = "__loongforge_original__"  # on a wrapper: the function it replaced
+ORIGINAL_ATTR = _patching.ORIGINAL_ATTR  # on a wrapper: the function it replaced
 FUSED_ATTR = "__loongforge_fused__"        # on a wrapper: the fused function it calls
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the parameters after (q, k, cos, sin) of the standard function: transformers 5.x, and 4.x with position_ids
 _STANDARD_TAILS = (("unsqueeze_dim",), ("position_ids", "unsqueeze_dim"))
 
-_lock = threading.Lock()
-_patched: dict[tuple[str, str], Callable] = {}  # (module, function name) -> wrapper installed there
-_failed: dict[str, str] = {}                    # fused function's label -> why it is no longer called
+_patches = _patching.ModulePatches("rotary function")
+_lock = _patches.lock
+_failed: dict[str, str] = {}  # fused function's label -> why it is no longer called
 
 
 def load_liger() -> tuple[Callable | None, str]:
@@ -185,49 +186,26 @@ def patch(module_name: str, function_name: str, fused: Callable, label: str,
           device_type: str = "cuda") -> str | None:
     """Make ``module_name.function_name`` the wrapper around its current value; None when done (or already
     done: the wrapper is never wrapped again), else why it was left alone."""
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        return f"{module_name} does not import ({err})"
-    with _lock:
-        current = getattr(module, function_name, None)
-        if current is None:
-            return f"{module_name} has no {function_name}"
-        if getattr(current, ORIGINAL_ATTR, None) is not None:
-            _patched[(module_name, function_name)] = current
-            return None
-        problem = standard_rope_problem(current)
-        if problem is not None:
-            return f"not the standard rotary function: {problem}"
-        tail = tuple(inspect.signature(current).parameters)[4:]
-        wrapper = make_wrapper(current, fused, label, tail, device_type)
-        setattr(module, function_name, wrapper)
-        _patched[(module_name, function_name)] = wrapper
-    return None
+    return _patches.patch(
+        module_name, function_name, standard_rope_problem,
+        lambda current: make_wrapper(current, fused, label, tuple(inspect.signature(current).parameters)[4:],
+                                     device_type))
 
 
 def original(function: Callable) -> Callable:
     """The function a wrapper replaced (a function that is no wrapper: itself)."""
-    return getattr(function, ORIGINAL_ATTR, function)
+    return _patching.original(function)
 
 
 def patched() -> list[str]:
     """``module.function`` of every wrapper installed and still in place."""
-    with _lock:
-        return [f"{m}.{f}" for (m, f), w in _patched.items()
-                if getattr(importlib.import_module(m), f, None) is w]
+    return _patches.patched()
 
 
 def restore() -> list[str]:
     """Put every patched function back (the patch is process-wide) and forget fused functions that failed;
     returns ``module.function`` of each function restored."""
-    restored = []
     with _lock:
-        for (module_name, function_name), wrapper in list(_patched.items()):
-            module = importlib.import_module(module_name)
-            if getattr(module, function_name, None) is wrapper:
-                setattr(module, function_name, getattr(wrapper, ORIGINAL_ATTR))
-                restored.append(f"{module_name}.{function_name}")
-            del _patched[(module_name, function_name)]
+        restored = _patches.restore()
         _failed.clear()
     return restored
