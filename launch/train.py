@@ -333,8 +333,7 @@ def device_batches(stream: BatchStream, device: torch.device):
     next (pinned) batch on a side stream while the current step computes. Yields (device batch, real tokens);
     the tokens are counted on the host batch before the copy (summing the device mask would block the host
     on the device every micro-step), and a batch without padding goes without its attention mask (below). The
-    prefetcher holds at most one batch ahead (``pending``): the saved
-    data position subtracts it."""
+    prefetcher holds at most one batch ahead (``pending``): the saved data position subtracts it."""
     from ds_loongforge.data import DevicePrefetcher
 
     def host_batches():
