@@ -171,18 +171,15 @@ def throughput_timer_setting(ds_config: dict[str, Any], config: LoongForgeConfig
     """The DeepSpeed config to pass on: when the block is enabled with ``async_throughput_timer`` (the default)
     and the DeepSpeed config leaves ``timers.throughput.synchronized`` unset, a copy with it set to false
     (DeepSpeed's default, true, synchronizes the device twice per step: LoongForgeConfig.async_throughput_timer);
-    otherwise ``ds_config`` itself. The caller's dict is never modified. ``config``: the parsed block (parsed
-    from ``ds_config`` when not given)."""
+    otherwise ``ds_config`` itself. The caller's dict is never modified, and a config that went through it once
+    passes unchanged (initialize applies it, then ds_loongforge.optim.initialize again). ``config``: the parsed
+    block (parsed from ``ds_config`` when not given)."""
     config = parse_config(ds_config) if config is None else config
     timers = ds_config.get("timers") or {}
     throughput = timers.get("throughput") or {}
-    log = logging.getLogger("ds_loongforge")
-    if not config.enabled or not config.async_throughput_timer or throughput.get("enabled") is False:
+    if (not config.enabled or not config.async_throughput_timer or throughput.get("enabled") is False
+            or "synchronized" in throughput):  # set: the user's choice, or ours from an earlier call (one log)
         return ds_config
-    if "synchronized" in throughput:
-        log.info("[LoongForge] DeepSpeed throughput timer: synchronized=%s, as the DeepSpeed config sets it",
-                 throughput["synchronized"])
-        return ds_config
-    log.info("[LoongForge] DeepSpeed throughput timer: no device synchronize at each forward and step "
+    logging.getLogger("ds_loongforge").info("[LoongForge] DeepSpeed throughput timer: no device synchronize at each forward and step "
              "(timers.throughput.synchronized=false; set it in the DeepSpeed config to choose)")
     return {**ds_config, "timers": {**timers, "throughput": {**throughput, "synchronized": False}}}

@@ -18,6 +18,7 @@ summaries are plain dicts (JSON), small enough to keep next to a benchmark's num
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import traceback
@@ -157,6 +158,7 @@ def format_kernel_timeline(t: dict[str, Any], top: int = 25) -> str:
 _TORCH_PACKAGE = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
 
 
+@functools.lru_cache(maxsize=4096)  # a memory replay asks once per frame of every allocation, of few files
 def _is_torch_frame(filename: str) -> bool:
     """torch's own code: a Python file of the torch package (installed anywhere: by its site-packages path, not
     by a bare "torch" directory, which an environment's own path may hold, e.g. /opt/torch/.venv/...), or a
@@ -261,7 +263,7 @@ class HostSyncRecorder:
     DeepSpeed's synchronized throughput timer) are counted too, through wrappers installed for the block: torch's
     mode does not report all of them. Off CUDA the mode does nothing and only the wrappers count."""
 
-    _EXPLICIT = (("synchronize", None), ("synchronize", "Stream"), ("synchronize", "Event"))
+    _EXPLICIT = (None, "Stream", "Event")  # torch.cuda.synchronize, torch.cuda.<owner>.synchronize
 
     def __init__(self, depth: int = 3):
         self.depth = depth
@@ -280,11 +282,10 @@ class HostSyncRecorder:
         self._show = warnings.showwarning
         warnings.showwarning = self._on_warning
         self._patched = []
-        for name, owner in self._EXPLICIT:
+        for owner in self._EXPLICIT:
             target = torch.cuda if owner is None else getattr(torch.cuda, owner)
-            original = getattr(target, name)
-            self._patched.append((target, name, original))
-            setattr(target, name, self._explicit(original))
+            self._patched.append((target, target.synchronize))
+            target.synchronize = self._explicit(target.synchronize)
         if self.active:
             torch.cuda.set_sync_debug_mode("warn")
         return self
@@ -292,8 +293,8 @@ class HostSyncRecorder:
     def __exit__(self, *exc) -> None:
         if self.active:
             self._torch.cuda.set_sync_debug_mode(self._previous_mode)
-        for target, name, original in reversed(self._patched):
-            setattr(target, name, original)
+        for target, original in reversed(self._patched):
+            target.synchronize = original
         self._catch.__exit__(*exc)
 
     def _explicit(self, original):

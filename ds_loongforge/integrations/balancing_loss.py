@@ -52,19 +52,22 @@ def load_balancing_loss(gate_logits, num_experts: int | None = None, top_k: int 
     if attention_mask is not None:
         flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
         weights = flat_mask.repeat_interleave(top_k)  # one per (row, choice), row-major as topk's indices
+        counted = flat_mask.sum()  # rows that count, the same for every layer
+    else:
+        one = torch.ones((), dtype=torch.float32, device=device)
     rows = 0
     for layer_logits in gate_logits:
         routing = torch.softmax(layer_logits.to(device), dim=-1)
         _, chosen = torch.topk(routing, top_k, dim=-1)
         chosen = chosen.reshape(-1)
         if flat_mask is None:
-            counts.scatter_add_(0, chosen, torch.ones((), dtype=torch.float32, device=device).expand_as(chosen))
+            counts.scatter_add_(0, chosen, one.expand_as(chosen))
             probs += routing.float().sum(dim=0)
             rows += routing.shape[0]
         else:
             counts.scatter_add_(0, chosen, weights)
             probs += (routing.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
-            rows = rows + flat_mask.sum()
+            rows = rows + counted  # summed layer by layer, as transformers does (exact: whole numbers)
     return torch.sum((counts / rows) * (probs / rows)) * num_experts
 
 

@@ -66,7 +66,7 @@ batch = next(iter(loader))
 engine.backward(engine(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss)
 engine.step()
 print("LOADER", type(loader.batch_sampler).__name__, "OPTIMIZER", type(optimizer).__name__)
-report(engine.module, optimizer)
+report(engine.module, optimizer, engine)
 """
 
 # the HF Trainer with --deepspeed: it builds its optimizer before calling deepspeed.initialize (via accelerate)
@@ -213,6 +213,8 @@ def test_config_from_args_builds_optimizer_and_sampler(ds_runs):
     assert "[LoongForge] optimizer: FusedAdamWClip" in output
     assert "[LoongForge] training data: ExpertAwareSampler" in output
     assert "LOADER ExpertAwareSampler OPTIMIZER FusedAdamWClip" in output
+    # the hook and then ds_loongforge.optim.initialize pass the config on: the timer is set, and said, once
+    assert result["timer_synchronized"] is False and output.count("DeepSpeed throughput timer") == 1, output
     assert result["optimizer_params_in_model"]  # model.parameters() was taken before injection
 
 
