@@ -92,10 +92,12 @@ def _worker(rank, world, port, seed, out_dir):
             zero = engine.optimizer
             assert zero.gradient_average == (world > 1), "the division by 1 is skipped only in one process"
             assert (engine.basic_optimizer.stats_hook is None) == (world == 1)
+            assert getattr(zero, "_loongforge_gradients_in_place", False) == (world == 1)
             if full:
-                from ds_loongforge.optim.ds_integration import _world_all_reduce
+                from ds_loongforge.optim.ds_integration import _world_all_reduce, restore_gradient_copies
 
                 zero.gradient_average, engine.basic_optimizer.stats_hook = True, _world_all_reduce
+                restore_gradient_copies(zero)
         cast = torch.bfloat16 if bf16 else torch.float32
         norms, params = [], []
         for step, (x, target) in enumerate(batches):
@@ -164,7 +166,8 @@ def test_zero0_1_2_equal_torch_on_the_global_batch(tmp_path, world):
             # the nan step changed nothing
             for a, b in zip(got["params"][NAN_STEP], got["params"][NAN_STEP - 1]):
                 assert torch.equal(a, b)
-    if world == 1:  # DeepSpeed's division by 1 and the norm's one-process all-reduce skipped: bitwise the same
+    if world == 1:  # DeepSpeed's division by 1, the norm's one-process all-reduce and its gradient copies
+        # (into the reduce bucket, then the partition buffer) skipped: bitwise the same
         for stage_bf16 in [(2, False), (2, True)]:
             full, fast = ranks[0][("full", *stage_bf16)], ranks[0][stage_bf16]
             for step in range(STEPS):
@@ -247,3 +250,70 @@ def test_device_loss_scaler_survives_a_checkpoint_round_trip(tmp_path):
     assert loaded.cur_hysteresis == scaler.cur_hysteresis
     if torch.cuda.is_available():
         assert loaded.to("cuda").cur_scale.device.type == "cuda"
+
+
+IN_PLACE_RUNS = [(1, False, False), (1, True, False), (2, False, False), (2, True, False), (2, True, True)]
+ACCUMULATION = 2  # micro-steps per optimizer step
+
+
+def _in_place_worker(rank, world, port, seed, out_dir):
+    """One process, gradient accumulation over 2 micro-steps: each (stage, bf16, overlap_comm) run with the
+    gradients read where autograd wrote them, and again with DeepSpeed's copies restored."""
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim import initialize
+    from ds_loongforge.optim.ds_integration import restore_gradient_copies
+
+    g = torch.Generator().manual_seed(seed + 1)
+    micro = [(torch.randn(ROWS, IN, generator=g), torch.randn(ROWS, OUT, generator=g))
+             for _ in range(STEPS * ACCUMULATION)]
+    results = {}
+    for stage, bf16, overlap in IN_PLACE_RUNS:
+        for in_place in (True, False):
+            model = _model(seed)
+            config = _config(stage, by_block=True, bf16=bf16)
+            config["gradient_accumulation_steps"] = ACCUMULATION
+            config["zero_optimization"]["overlap_comm"] = overlap
+            engine, *_ = initialize(model=model, model_parameters=_groups(model), config=config)
+            zero = engine.optimizer
+            assert zero._loongforge_gradients_in_place
+            if not in_place:
+                restore_gradient_copies(zero)
+            copies = []  # DeepSpeed's per-gradient copy into its reduce bucket, counted
+            bucketed = zero.reduce_independent_p_g_buckets_and_remove_grads
+            zero.reduce_independent_p_g_buckets_and_remove_grads = lambda *a: (copies.append(1), bucketed(*a))
+            cast = torch.bfloat16 if bf16 else torch.float32
+            norms, params = [], []
+            for n, (x, target) in enumerate(micro):
+                engine.backward(_loss(engine, x.to(cast), target.to(cast)))
+                engine.step()
+                if (n + 1) % ACCUMULATION == 0:
+                    norms.append(engine.get_global_grad_norm().clone())
+                    params.append([p.detach().float().clone() for p in model.parameters()])
+            results[stage, bf16, overlap, in_place] = {"norms": norms, "params": params,
+                                                      "bucket_copies": len(copies)}
+    torch.save(results, f"{out_dir}/in_place.pt")
+
+
+@pytest.mark.slow
+def test_gradients_in_place_in_one_process_are_bitwise_deepspeeds_copies(tmp_path):
+    """In one process ZeRO-1/2 would copy every gradient into its reduce bucket and then into the partition
+    buffer; the fused step reads them where autograd wrote them instead. Over 5 optimizer steps of 2
+    accumulated micro-steps each, for ZeRO-1 and ZeRO-2, fp32 and bf16, with and without overlap_comm, the
+    norms and parameters are bitwise those of DeepSpeed's copying path, and no gradient goes into a bucket."""
+    _spawn(_in_place_worker, 1, int(torch.randint(0, 2**31, ())), str(tmp_path))
+    results = torch.load(tmp_path / "in_place.pt", weights_only=True)
+    for run in IN_PLACE_RUNS:
+        fast, copied = results[(*run, True)], results[(*run, False)]
+        assert fast["bucket_copies"] == 0, run
+        assert copied["bucket_copies"] >= STEPS * 4, "the comparison must run DeepSpeed's copying path"
+        for step in range(STEPS):
+            assert torch.equal(fast["norms"][step], copied["norms"][step]), (run, step)
+            assert torch.isfinite(fast["norms"][step]) and fast["norms"][step] > 0
+            for a, b in zip(fast["params"][step], copied["params"][step]):
+                assert torch.equal(a, b), (run, step)
+        first, last = fast["params"][0], fast["params"][-1]
+        assert any(not torch.equal(a, b) for a, b in zip(first, last)), "the parameters must move"
