@@ -130,8 +130,8 @@ class VariantResult:
 
 def make_ds_config(gpu: bool, micro_batch: int, data: str) -> dict:
     """The one DeepSpeed config every variant gets (train.py's flags switch the loongforge block on or off and
-    add AutoEP's block). GPU: the anchors' settings and ds_configs/1gpu_zero2_bf16.json's loongforge block plus
-    the fused optimizer; CPU: fp32, ZeRO-0 as ds_configs/cpu.json (LoongForge's CPU ops may fall back)."""
+    add AutoEP's block). GPU: the anchors' settings and ds_configs/1gpu_zero2_bf16.json's loongforge block (with
+    the fused optimizer); CPU: fp32, ZeRO-0 as ds_configs/cpu.json (LoongForge's CPU ops may fall back)."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -389,6 +389,12 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
                              f"{c} {v:.1f}" for c, v in k["category_ms_per_iter"].items()))
             for phase, cats in k["range_category_ms_per_iter"].items():
                 lines.append(f"  - {phase}: " + ", ".join(f"{c} {v:.1f}" for c, v in cats.items()))
+            if k.get("host_ranges"):
+                lines.append("  - host (ms issuing each phase, under the profiler; lead: how far the host was ahead "
+                             "of the GPU when the phase began): " + ", ".join(
+                                 f"{phase} {v['host_ms_per_iter']:.1f}" + (
+                                     f" (lead {v['host_lead_ms']:.1f})" if "host_lead_ms" in v else "")
+                                 for phase, v in k["host_ranges"].items()))
     synced = [r for r in results if r.status == "ok" and (r.train_summary.get("host_syncs") or {}).get("cuda")]
     if synced:
         lines += ["", "Host waits for the device in step 3 (train.py --sync-debug; each empties the GPU's queue):", ""]

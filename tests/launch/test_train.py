@@ -224,9 +224,11 @@ def test_training_step_makes_no_host_sync_on_cuda():
     """--sync-debug on a LoongForge step of unpadded batches (random tokens fill every row) finds no place where
     the host waits for the device: the all-ones attention mask is dropped on the host (transformers would read it
     back in every forward), and the MoE layer, the fused loss, FusedAdamWClip and the ZeRO-2 step need no host
-    value. Step 3 is not a --log-every step (the loss read-back is the loop's one sync by design)."""
+    value. Step 3 is not a --log-every step (the loss read-back is the loop's one sync by design). Sequences of
+    128 tokens: the training collator pads to a multiple of 128, so shorter ones would carry padding and a mask."""
     got = _train_gpu("--deepspeed_config", "ds_configs/1gpu_zero2_bf16.json", "--steps", "4", "--data", "random",
-                     "--log-every", "4", "--sync-debug", "--use-loongforge")
+                     "--seq-len", "128", "--log-every", "4", "--sync-debug", "--use-loongforge")
+    assert got["optimizer"] == "FusedAdamWClip" and got["fused_loss"], (got["optimizer"], got["fused_loss"])
     syncs = got["host_syncs"]
     assert syncs["step"] == 3 and syncs["cuda"], syncs
     assert syncs["count"] == 0, syncs["sites"]
