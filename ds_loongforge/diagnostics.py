@@ -93,6 +93,7 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
         if k.time_range.end > frontier:
             frontier, previous = k.time_range.end, k
     gaps.sort(key=lambda g: -g[0])
+    host = _host_ranges(events, annotated, wanted, iters)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_category: dict[str, float] = defaultdict(float)
     by_range: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -122,7 +123,35 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
                         for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
         "top_gaps_us": [{"gap_us": round(g[0], 1), "after": g[1], "before": g[2], "cpu_ops_during": g[3]}
                         for g in gaps[:top]],
+        "host_ranges": host,
     }
+
+
+def _host_ranges(events, annotated, wanted, iters: int) -> dict[str, dict[str, float]]:
+    """Per annotated range: the host's time inside it (``host_ms_per_iter``: how long the Python thread took to
+    issue that part of the step) and how far the host ran ahead of the GPU when the range began
+    (``host_lead_ms``: the GPU range's start minus the host range's, averaged). A lead near 0 at the forward
+    means the GPU's queue was empty when the host got there: the step is bound by the host, not the kernels."""
+    from torch.autograd import DeviceType
+
+    names = {e.name for e in annotated if wanted is None or e.name in wanted}
+    host: dict[str, list] = defaultdict(list)
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name in names:
+            host[e.name].append(e.time_range)
+    gpu: dict[str, list] = defaultdict(list)
+    for e in annotated:
+        if e.name in names:
+            gpu[e.name].append(e.time_range)
+    out = {}
+    for name, spans in sorted(host.items()):
+        spans.sort(key=lambda r: r.start)
+        on_gpu = sorted(gpu.get(name, []), key=lambda r: r.start)
+        entry = {"host_ms_per_iter": round(sum(r.end - r.start for r in spans) / iters / 1e3, 3)}
+        if len(on_gpu) == len(spans):
+            entry["host_lead_ms"] = round(sum(g.start - h.start for g, h in zip(on_gpu, spans)) / len(spans) / 1e3, 3)
+        out[name] = entry
+    return out
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -146,6 +175,11 @@ def format_kernel_timeline(t: dict[str, Any], top: int = 25) -> str:
              "by category (ms/iter): " + ", ".join(f"{c} {v:.2f}" for c, v in t["category_ms_per_iter"].items())]
     for r, cats in t["range_category_ms_per_iter"].items():
         lines.append(f"  {r}: " + ", ".join(f"{c} {v:.2f}" for c, v in cats.items()))
+    if t.get("host_ranges"):
+        lines.append("host (ms/iter issuing each range; how far it ran ahead of the GPU at the range's start): " +
+                     ", ".join(f"{r} {v['host_ms_per_iter']:.2f}" + (f" (lead {v['host_lead_ms']:.2f})"
+                                                                     if "host_lead_ms" in v else "")
+                               for r, v in t["host_ranges"].items()))
     lines.append("top kernels (ms/iter, calls/iter):")
     lines += [f"  {k['ms_per_iter']:8.3f} {k['calls_per_iter']:7.1f}  [{k['category']}] {k['name']}"
               for k in t["top_kernels"][:top]]

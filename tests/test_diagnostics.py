@@ -74,6 +74,25 @@ def test_kernel_timeline_busy_gaps_categories_and_ranges():
     assert "forward" in d.format_kernel_timeline(t)
 
 
+def test_kernel_timeline_host_ranges():
+    """The host's time in each annotated range and how far it ran ahead of the GPU: over 2 iterations the host
+    issues the forward 10 us (then 30 us) before the GPU starts it and the step 20 us (then 50 us) before."""
+    cpu = DeviceType.CPU
+    events = [
+        _event("forward", 0, 40, device=cpu), _event("forward", 100, 120, device=cpu),
+        _event("step", 40, 44, device=cpu), _event("step", 120, 126, device=cpu),
+        _event("forward", 10, 60, annotation=True), _event("forward", 130, 170, annotation=True),
+        _event("step", 60, 80, annotation=True), _event("step", 170, 190, annotation=True),
+        _event("nvjet_sm90_gemm", 10, 60), _event("adamw_kernel", 60, 80),
+        _event("nvjet_sm90_gemm", 130, 170), _event("adamw_kernel", 170, 190),
+    ]
+    host = d.kernel_timeline(_Prof(events), iters=2)["host_ranges"]
+    assert host["forward"] == {"host_ms_per_iter": pytest.approx(0.030), "host_lead_ms": pytest.approx(0.020)}
+    assert host["step"] == {"host_ms_per_iter": pytest.approx(0.005), "host_lead_ms": pytest.approx(0.035)}
+    t = d.kernel_timeline(_Prof(events), iters=2)
+    assert "lead" in d.format_kernel_timeline(t)
+
+
 def test_kernel_timeline_without_kernels():
     assert d.kernel_timeline(_Prof([_event("aten::add", 0, 1, device=DeviceType.CPU)]))["kernels_per_iter"] == 0
 
