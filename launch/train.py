@@ -631,7 +631,8 @@ def main(argv=None) -> dict:
             kernel_prof.__enter__()
             annotate = torch.profiler.record_function
         for micro in range(accumulation):
-            batch, real = next(batches)
+            with annotate("data"):
+                batch, real = next(batches)
             if probe:
                 memory_mark(f"until forward {micro}")
             loss, aux = forward_losses(engine, batch, layers, annotate, fused_loss)
