@@ -2,6 +2,7 @@
 
 from .adamw import FusedAdamWClipBuilder, FusedAdamWClipCPUBuilder
 from .builder import OpBuildError, all_builders, build_ops, csrc_root
+from .cross_entropy import FusedCrossEntropyBuilder, FusedCrossEntropyCPUBuilder
 from .moe_dispatch import MoEDispatchBuilder, MoEDispatchCPUBuilder
 from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
 from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
@@ -9,5 +10,5 @@ from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
 __all__ = [
     "OpBuildError", "all_builders", "build_ops", "csrc_root", "FusedRMSNormBuilder", "FusedRMSNormCPUBuilder",
     "FusedSwiGLUBuilder", "FusedSwiGLUCPUBuilder", "MoEDispatchBuilder", "MoEDispatchCPUBuilder",
-    "FusedAdamWClipBuilder", "FusedAdamWClipCPUBuilder",
+    "FusedAdamWClipBuilder", "FusedAdamWClipCPUBuilder", "FusedCrossEntropyBuilder", "FusedCrossEntropyCPUBuilder",
 ]

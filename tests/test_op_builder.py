@@ -186,9 +186,11 @@ def test_cuda_ops_compile():
         if os.environ.get("LOONGFORGE_REQUIRE_CUDA_BUILD") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    from ds_loongforge.op_builder import FusedAdamWClipBuilder, FusedSwiGLUBuilder, MoEDispatchBuilder
+    from ds_loongforge.op_builder import (FusedAdamWClipBuilder, FusedCrossEntropyBuilder, FusedSwiGLUBuilder,
+                                          MoEDispatchBuilder)
 
-    for builder in (FusedRMSNormBuilder(), FusedSwiGLUBuilder(), MoEDispatchBuilder(), FusedAdamWClipBuilder()):
+    for builder in (FusedRMSNormBuilder(), FusedSwiGLUBuilder(), MoEDispatchBuilder(), FusedAdamWClipBuilder(),
+                    FusedCrossEntropyBuilder()):
         module = builder.load()
         assert module.device == "cuda"
         assert builder.jit_cached() or builder.prebuilt_module() is not None

@@ -7,12 +7,13 @@ fp32 log-softmax for backward and, in backward, builds the fp32 gradient of the 
 several [N, V] fp32 tensors of memory traffic and up to ~3 [N, V] fp32 buffers alive at the peak.
 
 Here the forward runs chunk by chunk over rows: logits_CV = h_CH @ W_VH^T with an fp32 output (on CUDA with
-bf16/fp16 inputs the GEMM writes fp32 directly: ``torch.mm(..., out_dtype=torch.float32)``), one fused
-log-softmax in fp32, the loss terms -logp[target] of the valid rows summed into an fp32 device scalar; then, in
-place, p = exp(logp), p[target] -= 1 on valid rows, and the gradient of the logits g_CV = p * scale (scale =
-1/n_valid for valid rows, 0 for ignored ones) is written, cast to the input dtype by the multiply itself, into a
-preallocated [N, V] buffer. Backward is two GEMMs of exactly the unfused backward's shapes:
-grad_hidden = g @ W and grad_weight = g^T @ hidden, scaled by the incoming gradient.
+bf16/fp16 inputs the GEMM writes fp32 directly: ``torch.mm(..., out_dtype=torch.float32)``), then one call of the
+fused softmax cross-entropy op (``ops/cross_entropy.py``: one read of the chunk's logits) gives the loss terms
+lse - x[target] of the valid rows, summed into an fp32 device scalar, and writes the gradient of the logits
+g_CV = (softmax - onehot(target)) * scale (scale = 1/n_valid for valid rows, 0 for ignored ones), cast to the input
+dtype, into a preallocated [N, V] buffer. fp64 inputs, and fp32 ones when the op's kernel could not be built, run
+the op's PyTorch reference (log_softmax, gather, exp_, scatter_add_, mul). Backward is two GEMMs of exactly the
+unfused backward's shapes: grad_hidden = g @ W and grad_weight = g^T @ hidden, scaled by the incoming gradient.
 
 Nothing synchronises with the host: the number of valid labels stays a device tensor, rows are never selected by
 a boolean mask, and no Python branch looks at tensor values.
@@ -21,7 +22,7 @@ Semantics are those of ``F.cross_entropy(logits, labels, ignore_index=..., reduc
 ``"mean"`` divides by the number of non-ignored labels and is nan when all are ignored (gradients are then 0, as
 torch's are); ``"sum"`` is the plain sum (0 when all are ignored). A label outside [0, V) that is not
 ``ignore_index`` cannot be checked without a host sync: like torch's own CUDA loss it trips a device-side assert
-(in ``gather``/``scatter_add_``) on CUDA and raises "index out of bounds" (RuntimeError) on CPU.
+(in the kernel, or ``gather`` of the reference) on CUDA and raises "out of bounds" (RuntimeError) on CPU.
 
 Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``nn.Linear`` would (the gradient buffer is kept
 in that dtype); gradients come back in the dtypes of ``hidden`` and ``weight``.
@@ -32,6 +33,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from ds_loongforge.ops.cross_entropy import softmax_cross_entropy_
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -82,29 +85,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
 
             valid_N = labels_N != ignore_index
-            target_N1 = torch.where(valid_N, labels_N, 0).unsqueeze(1)  # ignored rows point at class 0
+            target_N = torch.where(valid_N, labels_N, 0)  # ignored rows point at class 0
             n_valid = valid_N.sum()  # a device tensor: never read on the host
             if reduction == "mean":
                 scale_N = torch.where(valid_N, n_valid.to(acc).reciprocal(), 0.0)  # 0 on ignored rows, even if 0 valid
             else:
                 scale_N = valid_N.to(acc)
-            minus_valid_N1 = valid_N.to(acc).neg_().unsqueeze(1)
 
             # (needs_input_grad is set under torch.no_grad too: the caller passes the grad mode)
             need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
             grad_NV = torch.empty(n_rows, vocab, dtype=compute_dtype, device=h_NH.device) if need_grad else None
-            neg_loss = torch.zeros((), dtype=acc, device=h_NH.device)
+            loss = torch.zeros((), dtype=acc, device=h_NH.device)
             for start in range(0, n_rows, chunk_rows):
                 rows = slice(start, min(n_rows, start + chunk_rows))
-                logp_CV = torch.log_softmax(_logits(h_NH[rows], w_VH, acc), dim=1)
-                picked_C = logp_CV.gather(1, target_N1[rows]).squeeze(1)
-                neg_loss += torch.where(valid_N[rows], picked_C, 0.0).sum()
-                if grad_NV is not None:
-                    p_CV = logp_CV.exp_()
-                    p_CV.scatter_add_(1, target_N1[rows], minus_valid_N1[rows])
-                    torch.mul(p_CV, scale_N[rows].unsqueeze(1), out=grad_NV[rows])  # the cast is part of the multiply
-                del logp_CV
-            loss = neg_loss.neg_()
+                nll_C = softmax_cross_entropy_(_logits(h_NH[rows], w_VH, acc), target_N[rows], valid_N[rows],
+                                               scale_N[rows], grad_NV[rows] if grad_NV is not None else None)
+                loss += nll_C.sum()
             if reduction == "mean":
                 loss = loss / n_valid  # nan when every label is ignored, as torch's
 

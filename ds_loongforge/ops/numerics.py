@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cross_entropy_
 from ds_loongforge.ops.moe_dispatch import (moe_permute, moe_permute_reference, moe_unpermute,
                                             moe_unpermute_reference, routing_indices)
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
@@ -161,6 +162,35 @@ def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: 
             for n, o, f, e in zip(["out", "dgate_up"], ours, ref, eager)]
 
 
+def cross_entropy_checks(rows: int, vocab: int, grad_dtype: torch.dtype | None, device: str, impl: str,
+                         logits_CV: torch.Tensor | None = None, ignore_frac: float = 0.3,
+                         generator: torch.Generator | None = None) -> list[CheckResult]:
+    """nll and the logits' gradient (in ``grad_dtype``; None: no gradient) of softmax_cross_entropy_(impl) vs
+    fp64, each with its 2x-PyTorch tolerance (PyTorch: the reference's fp32 log_softmax path).
+
+    ``logits_CV`` [rows, vocab] fp32 may be given (e.g. a strided view or huge values); otherwise 2 * randn.
+    Ignored rows get valid False, target 0 and scale 0; valid rows a scale in [0.5, 1.5).
+    """
+    kw = {"device": device, "generator": generator}
+    if logits_CV is None:
+        logits_CV = 2.0 * torch.randn(rows, vocab, **kw)
+    valid_C = torch.rand(rows, **kw) >= ignore_frac
+    target_C = torch.where(valid_C, torch.randint(0, vocab, (rows,), **kw), 0)
+    scale_C = torch.where(valid_C, 0.5 + torch.rand(rows, **kw), 0.0)
+    label = f"cross_entropy {impl} grad={str(grad_dtype)[6:] if grad_dtype else None} C={rows} V={vocab}"
+
+    def run(fn, logits, scale, dtype):
+        grad = torch.empty(logits.shape, dtype=dtype, device=device) if grad_dtype is not None else None
+        return [fn(logits, target_C, valid_C, scale, grad)] + ([grad] if grad is not None else [])
+
+    ours = run(lambda *a: softmax_cross_entropy_(*a, impl=impl), logits_CV, scale_C, grad_dtype)
+    ref = run(cross_entropy_reference, logits_CV.double(), scale_C.double(), torch.float64)
+    eager = run(cross_entropy_reference, logits_CV, scale_C, grad_dtype)
+    dtypes = [torch.float32, grad_dtype]
+    return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, d))
+            for n, o, f, e, d in zip(["nll", "dlogits"], ours, ref, eager, dtypes)]
+
+
 def random_routing(tokens: int, k: int, experts: int, device: str, generator: torch.Generator | None = None):
     """Expert ids [T, K] from the first ceil(3E/4) experts only, so the others get no tokens (a token may
     pick one expert twice, as when K exceeds them), and float32 softmax weights [T, K]."""
@@ -261,6 +291,10 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(moe_permute_checks(129, 2880, 8, 64, d, device, impl)))
             checks.append(lambda d=dtype: _merge(moe_unpermute_checks(129, 2880, 8, 64, d, device, impl)))
+    elif builder_name.startswith("lf_cross_entropy"):
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.append(lambda d=dtype: _merge(cross_entropy_checks(257, 32000, d, device, impl)))
+            checks.append(lambda d=dtype: _merge(cross_entropy_checks(33, 32003, d, device, impl)))
     elif builder_name.startswith("lf_fused_adamw_clip"):
         from ds_loongforge.ops.adamw import verify_checks  # the optimizer step's checks live beside it
 

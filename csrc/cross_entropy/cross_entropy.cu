@@ -1,0 +1,190 @@
+// Fused softmax cross-entropy over a chunk of fp32 logits, on CUDA: per row r of x [C, V]
+//
+//   lse     = max(x) + log(sum(exp(x - max(x))))
+//   nll[r]  = valid[r] ? lse - x[target[r]] : 0
+//   grad[r] = (exp(x - lse) - onehot(target[r])) * scale[r]      (only when grad is given; cast once)
+//
+// computed as torch's log_softmax does, log_sum - (x[t] - max) and exp((x - max) - log_sum): lse itself, rounded
+// at the magnitude of the logits, would cost large logits (~1000) about 1e-4 absolute in both. Arithmetic is fp32.
+//
+// One thread block per row (a 1-D grid of C blocks, so C may reach 2^31 - 1). Pass 1 reads the row once with a
+// per-thread online (max, sum) and reduces the pairs over the block; pass 2 reads the row again, back to front so
+// that it starts with what pass 1 read last, which L2 most likely still holds, and writes the gradient. The block
+// size shrinks with V, so small vocabularies do not idle 512 threads per row.
+// Measured on an H200 (C = 2048, V = 32000, bf16 gradient): 156 us, against 93 us for a plain copy of the same
+// bytes (read fp32, write bf16) and 640 us for the eager path. The gap is pass 2's re-read: with ~500 rows of
+// 128 KB in flight only part of them stays in L2. Blocks of 256 or 1024 threads were slower at V = 32000 and
+// V = 152064.
+#include <cmath>
+
+#include "cross_entropy_checks.h"
+#include "lf_cuda_utils.cuh"
+
+namespace loongforge {
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kUnroll = 4;
+constexpr int kVecsPerThread = 8;  // below this many elements (or float4s) per thread a smaller block is chosen
+
+struct MaxSum {
+    float max, sum;  // sum of exp(x - max) over the elements seen; (-inf, 0) before any finite one
+};
+
+__device__ __forceinline__ void merge(MaxSum& a, const MaxSum& b) {
+    const float m = fmaxf(a.max, b.max);
+    if (m == -INFINITY) return;  // both empty (or all -inf): exp(-inf - -inf) would be nan
+    a.sum = a.sum * expf(a.max - m) + b.sum * expf(b.max - m);
+    a.max = m;
+}
+
+// Adds N values that arrived together: one rescale of the running sum at most, then N exps. A group of -inf
+// adds nothing; a nan makes the sum nan, as in PyTorch.
+template <int N>
+__device__ __forceinline__ void add_values(MaxSum& acc, const float (&v)[N]) {
+    float m = v[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) m = fmaxf(m, v[j]);
+    if (m > acc.max) {
+        acc.sum *= expf(acc.max - m);
+        acc.max = m;
+    }
+    if (m == -INFINITY) return;
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc.sum += expf(v[j] - acc.max);
+}
+
+// Every thread returns the block's (max, sum); the merge order is fixed, so results are deterministic.
+__device__ __forceinline__ MaxSum block_max_sum(MaxSum v, MaxSum* smem) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        merge(v, MaxSum{__shfl_xor_sync(0xffffffffu, v.max, offset), __shfl_xor_sync(0xffffffffu, v.sum, offset)});
+    }
+    const int warps = blockDim.x >> 5;
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;
+    __syncthreads();
+    MaxSum total = smem[0];
+    for (int w = 1; w < warps; ++w) merge(total, smem[w]);
+    return total;
+}
+
+// W consecutive logits of group i: a float4 on the vector path.
+template <int W>
+__device__ __forceinline__ void load_group(const float* __restrict__ x, int64_t i, float (&v)[W]) {
+    if constexpr (W == 4) {
+        const float4 q = reinterpret_cast<const float4*>(x)[i];
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+        v[0] = x[i];
+    }
+}
+
+// Preconditions (checked by check_cross_entropy_args and the launcher): blockDim.x is a multiple of 32 and at
+// most kMaxThreads; 1 <= V < 2^31; 0 <= target[r] < V (asserted on the device, as torch's gather does);
+// x rows are `x_stride` floats apart, grad rows `grad_stride` elements apart (grad == nullptr: no gradient).
+// VEC (float4 loads, 4-element stores) additionally needs V % 4 == 0, both strides % 4 == 0, x 16-byte and
+// grad 4-element aligned; otherwise the scalar path handles any V and any alignment.
+// Each thread issues kUnroll independent loads before using them: with one load in flight per thread the H200
+// took 175 us instead of 97 us at C = 256, V = 152064, and 310 us instead of 221 us on the scalar path (V = 32003).
+template <typename G, bool VEC>
+__global__ void __launch_bounds__(kMaxThreads)
+    cross_entropy_kernel(const float* __restrict__ x_all, int64_t x_stride, const int64_t* __restrict__ target,
+                         const bool* __restrict__ valid, const float* __restrict__ scale, float* __restrict__ nll,
+                         G* __restrict__ grad_all, int64_t grad_stride, int64_t vocab) {
+    constexpr int W = VEC ? 4 : 1;
+    __shared__ MaxSum smem[kMaxThreads / 32];
+    const int64_t r = blockIdx.x;
+    const float* x = x_all + r * x_stride;
+    const int64_t t = target[r];
+    const int64_t n = vocab / W;
+    const int64_t step = blockDim.x;
+
+    MaxSum acc{-INFINITY, 0.f};
+    for (int64_t i0 = threadIdx.x; i0 < n; i0 += kUnroll * step) {
+        float v[kUnroll][W];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            if (i0 + u * step < n) {
+                load_group<W>(x, i0 + u * step, v[u]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < W; ++j) v[u][j] = -INFINITY;  // adds nothing
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) add_values<W>(acc, v[u]);
+    }
+    const MaxSum row = block_max_sum(acc, smem);
+    const float log_sum = logf(row.sum);
+    if (threadIdx.x == 0) {
+        CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
+        nll[r] = valid[r] ? log_sum - (x[t] - row.max) : 0.f;
+    }
+    if (grad_all == nullptr) return;
+
+    const float s = scale[r];
+    G* g = grad_all + r * grad_stride;
+    for (int64_t i0 = n - 1 - threadIdx.x; i0 >= 0; i0 -= kUnroll * step) {
+        float v[kUnroll][W];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            if (i0 - u * step >= 0) load_group<W>(x, i0 - u * step, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = i0 - u * step;
+            if (i < 0) break;
+            Vec<G, W> out;
+#pragma unroll
+            for (int j = 0; j < W; ++j) {
+                const float p = expf((v[u][j] - row.max) - log_sum) - (i * W + j == t ? 1.f : 0.f);
+                out.val[j] = static_cast<G>(p * s);
+            }
+            store_vec<G, W>(g + i * W, out);
+        }
+    }
+}
+
+int threads_for(int64_t units_per_row) {
+    int threads = 32;
+    while (threads < kMaxThreads && static_cast<int64_t>(threads) * kVecsPerThread < units_per_row) threads <<= 1;
+    return threads;
+}
+
+}  // namespace
+
+at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& valid,
+                              const at::Tensor& scale, const c10::optional<at::Tensor>& grad) {
+    check_cross_entropy_args(logits, target, valid, scale, grad, c10::DeviceType::CUDA);
+    const int64_t rows = logits.size(0);
+    const int64_t vocab = logits.size(1);
+    LF_CHECK(rows <= std::numeric_limits<int32_t>::max(), "cross_entropy: at most 2^31 - 1 rows per call (one ",
+             "block per row), got ", rows, "; split the rows into chunks");
+    const c10::cuda::CUDAGuard guard(logits.device());
+    auto nll = at::empty({rows}, logits.options());
+    if (rows == 0) return nll;
+    const bool with_grad = grad.has_value() && grad->defined();
+    const at::ScalarType grad_type = with_grad ? grad->scalar_type() : at::kFloat;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    LF_DISPATCH_FLOATING(grad_type, "cross_entropy", [&] {
+        using G = scalar_t;
+        G* g = with_grad ? grad->data_ptr<G>() : nullptr;
+        const int64_t g_stride = with_grad ? grad->stride(0) : 0;
+        const bool vec_ok = vocab % 4 == 0 && logits.stride(0) % 4 == 0 && lf_aligned16(logits.data_ptr()) &&
+                            (!with_grad || (g_stride % 4 == 0 &&
+                                            reinterpret_cast<uintptr_t>(g) % (4 * sizeof(G)) == 0));
+        auto launch = [&]<bool VEC>() {
+            const int threads = threads_for(VEC ? vocab / 4 : vocab);
+            cross_entropy_kernel<G, VEC><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+                logits.data_ptr<float>(), logits.stride(0), target.data_ptr<int64_t>(), valid.data_ptr<bool>(),
+                scale.data_ptr<float>(), nll.data_ptr<float>(), g, g_stride, vocab);
+        };
+        if (vec_ok) launch.template operator()<true>();
+        else launch.template operator()<false>();
+        LF_CUDA_CHECK_LAUNCH();
+    });
+    return nll;
+}
+
+}  // namespace loongforge

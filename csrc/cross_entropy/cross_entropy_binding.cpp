@@ -1,0 +1,27 @@
+// Python binding of the fused softmax cross-entropy op; CUDA or CPU kernel under the same name.
+// pybind11 with torch's Tensor/optional casters only (see swiglu_binding.cpp for why not torch/extension.h).
+#include <torch/csrc/utils/pybind.h>
+
+#include "lf_common.h"
+
+namespace loongforge {
+#ifdef LF_WITH_CUDA
+at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& valid,
+                              const at::Tensor& scale, const c10::optional<at::Tensor>& grad);
+#define LF_CROSS_ENTROPY cross_entropy_cuda
+#define LF_DEVICE "cuda"
+#else
+at::Tensor cross_entropy_cpu(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& valid,
+                             const at::Tensor& scale, const c10::optional<at::Tensor>& grad);
+#define LF_CROSS_ENTROPY cross_entropy_cpu
+#define LF_DEVICE "cpu"
+#endif
+}  // namespace loongforge
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.attr("device") = LF_DEVICE;
+    m.def("forward", &loongforge::LF_CROSS_ENTROPY, py::arg("logits"), py::arg("target"), py::arg("valid"),
+          py::arg("scale"), py::arg("grad"),
+          "per row of fp32 logits [C, V]: nll[C] (0 on rows not valid); with grad [C, V] given, writes "
+          "(softmax - onehot(target)) * scale into it");
+}

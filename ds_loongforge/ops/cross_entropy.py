@@ -1,0 +1,103 @@
+"""Fused softmax cross-entropy over a chunk of logits: the loss terms and the logits' gradient in one pass.
+
+Legend (shape suffixes): C rows of the chunk, V classes.
+
+Per row r of fp32 logits x_CV, with lse = max(x) + log(sum(exp(x - max(x)))) in fp32:
+
+    nll_C[r]     = valid_C[r] ? lse - x[r, target_C[r]] : 0
+    grad_CV[r]   = (exp(x[r] - lse) - onehot(target_C[r])) * scale_C[r]      (when grad_CV is given)
+
+The gradient is written, cast once, into ``grad_CV`` (fp32/bf16/fp16; typically a row slice of a bigger [N, V]
+buffer). The CUDA kernel reads each row from HBM once and writes the gradient once, where the eager sequence
+(log_softmax, gather, exp_, scatter_add_, mul) reads and writes [C, V] fp32 several times. Ignored rows carry
+target 0, valid False and scale 0 (the caller maps them; nothing here selects rows by a boolean mask, so nothing
+synchronises with the host). fp64 logits run :func:`cross_entropy_reference` (no kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_loongforge.op_builder import FusedCrossEntropyBuilder, FusedCrossEntropyCPUBuilder
+from ds_loongforge.ops._dispatch import check_impl, kernel_for
+
+_BUILDERS = {"cuda": FusedCrossEntropyBuilder, "cpu": FusedCrossEntropyCPUBuilder}
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor,
+                            scale_C: torch.Tensor, grad_CV: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch with the op's semantics: fp32 math (fp64 for fp64 logits), one [C, V] temporary.
+
+    This is also the unfused path that ``linear_cross_entropy`` runs for fp64 and when the kernel is unavailable.
+    """
+    acc = torch.float64 if logits_CV.dtype == torch.float64 else torch.float32
+    logp_CV = torch.log_softmax(logits_CV.to(acc), dim=1)
+    target_C1 = target_C.unsqueeze(1)
+    nll_C = torch.where(valid_C, logp_CV.gather(1, target_C1).squeeze(1).neg(), 0.0)
+    if grad_CV is not None:
+        p_CV = logp_CV.exp_()
+        p_CV.scatter_add_(1, target_C1, p_CV.new_full(target_C1.shape, -1.0))
+        torch.mul(p_CV, scale_C.to(acc).unsqueeze(1), out=grad_CV)  # the cast is part of the multiply
+    return nll_C
+
+
+def _check_args(logits_CV, target_C, valid_C, scale_C, grad_CV) -> None:
+    name = "softmax_cross_entropy_"
+    if not isinstance(logits_CV, torch.Tensor) or logits_CV.dim() != 2 or logits_CV.shape[1] < 1:
+        shape = tuple(logits_CV.shape) if isinstance(logits_CV, torch.Tensor) else type(logits_CV).__name__
+        raise ValueError(f"{name}: logits_CV must be a [C, V] tensor with V >= 1, got {shape}")
+    if logits_CV.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name}: logits_CV is {logits_CV.dtype}; the op takes float32 logits (float64 runs the "
+                         f"reference): pass logits_CV.float()")
+    if logits_CV.shape[1] > 1 and logits_CV.stride(1) != 1:
+        raise ValueError(f"{name}: logits_CV must have unit stride along V, got strides {logits_CV.stride()}; "
+                         f"pass logits_CV.contiguous()")
+    rows = logits_CV.shape[0]
+    for arg, t, dtype in (("target_C", target_C, torch.int64), ("valid_C", valid_C, torch.bool),
+                          ("scale_C", scale_C, logits_CV.dtype)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != (rows,):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: {arg} must be a {dtype} tensor of shape ({rows},) (one per logits row), "
+                             f"got {got}")
+        if t.device != logits_CV.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but logits_CV on {logits_CV.device}; move it with "
+                             f".to(logits_CV.device)")
+    if grad_CV is None:
+        return
+    allowed = _GRAD_DTYPES + ((torch.float64,) if logits_CV.dtype == torch.float64 else ())
+    if not isinstance(grad_CV, torch.Tensor) or grad_CV.dtype not in allowed \
+            or grad_CV.shape != logits_CV.shape:
+        got = f"{grad_CV.dtype} {tuple(grad_CV.shape)}" if isinstance(grad_CV, torch.Tensor) \
+            else type(grad_CV).__name__
+        raise ValueError(f"{name}: grad_CV must be None or a tensor of the logits' shape {tuple(logits_CV.shape)} "
+                         f"with dtype in {[str(d) for d in allowed]}, got {got}")
+    if grad_CV.device != logits_CV.device:
+        raise ValueError(f"{name}: grad_CV is on {grad_CV.device} but logits_CV on {logits_CV.device}")
+    if grad_CV.shape[1] > 1 and grad_CV.stride(1) != 1:
+        raise ValueError(f"{name}: grad_CV must have unit stride along V (rows may be strided, e.g. a row slice "
+                         f"of a bigger buffer), got strides {grad_CV.stride()}")
+
+
+def softmax_cross_entropy_(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor,
+                           scale_C: torch.Tensor, grad_CV: torch.Tensor | None = None,
+                           impl: str = "auto") -> torch.Tensor:
+    """Per-row softmax cross-entropy of fp32 ``logits_CV`` [C, V]: returns ``nll_C`` (fp32, 0 on rows where
+    ``valid_C`` is False) and, when ``grad_CV`` [C, V] is given, writes ``(softmax - onehot(target)) * scale_C``
+    into it (in place, cast to its dtype). No autograd: the caller owns the gradient.
+
+    target_C: int64 [C] in [0, V) (map ignored rows to 0). valid_C: bool [C]. scale_C: [C] in the logits' dtype,
+    the gradient's row scale (0 on ignored rows). Rows of logits_CV and grad_CV may be strided (unit stride along
+    V). A target outside [0, V) raises "out of bounds" on CPU and trips a device-side assert on CUDA.
+    impl: "auto" (the kernel for the tensors' device; the reference when its build fails), "cuda", "cpu",
+    "reference". float64 logits always run the reference.
+    """
+    _check_args(logits_CV, target_C, valid_C, scale_C, grad_CV)
+    if logits_CV.dtype == torch.float64:
+        check_impl(impl)
+        return cross_entropy_reference(logits_CV, target_C, valid_C, scale_C, grad_CV)
+    kernel = kernel_for("softmax_cross_entropy_", _BUILDERS, logits_CV.device.type, impl)
+    if kernel is None:
+        return cross_entropy_reference(logits_CV, target_C, valid_C, scale_C, grad_CV)
+    # the per-row vectors are C elements: a copy of a strided one costs nothing next to the [C, V] logits
+    return kernel.forward(logits_CV, target_C.contiguous(), valid_C.contiguous(), scale_C.contiguous(), grad_CV)
