@@ -34,6 +34,7 @@ profiler is off).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -198,23 +199,29 @@ class StackedExperts(nn.Module):
 
 
 def _grouped_mm_supported(x: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    return _grouped_mm_supported_for(x.device.type, x.dtype, x.shape[-1], w_EOI.shape[1])
+
+
+@functools.lru_cache(maxsize=64)  # asked twice per MoE layer and forward, of a few shapes
+def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    if device_type == "cuda" and dtype != torch.bfloat16:
         return False  # torch's CUDA grouped GEMM is bf16-only; fp32/fp16 take the per-expert loop
-    elem = x.element_size()
-    return (x.shape[-1] * elem) % 16 == 0 and (w_EOI.shape[1] * elem) % 16 == 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (in_features * elem) % 16 == 0 and (out_features * elem) % 16 == 0
 
 
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 
 
 def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                  mode: str = "auto", counts: list[int] | None = None) -> torch.Tensor:
+                  mode: str = "auto", counts: list[int] | None = None,
+                  offs_E: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x_PI grouped by expert (expert-major, group sizes tokens_per_expert_E) times each group's
-    w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported). ``loop``: one
-    GEMM per expert that got tokens, from ``counts`` (host copy of the sizes; read here if not given: a
-    host sync)."""
+    w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported), over the group
+    ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given). ``loop``: one GEMM per expert
+    that got tokens, from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
     if mode not in EXPERT_COMPUTE:
         raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {mode!r}")
     if mode == "grouped_mm" and not _grouped_mm_supported(x_PI, w_EOI):
@@ -222,7 +229,8 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
                          f"rows of {x_PI.shape[-1]} and {w_EOI.shape[1]} elements (torch {torch.__version__} "
                          "needs F.grouped_mm, bf16 on CUDA, 16-byte aligned rows); use 'auto' or 'loop'")
     if mode != "loop" and _grouped_mm_supported(x_PI, w_EOI):
-        offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        if offs_E is None:
+            offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync
@@ -315,8 +323,8 @@ class ExpertMaskedMoE(nn.Module):
     """Dropless top-k MoE block; ``forward(x [..., H]) -> [..., H]``.
 
     In training, ``aux_loss`` holds ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` of the last
-    forward (Switch/GShard load balancing; router z-loss) for the training loop to add; ``last_routing``
-    holds its RoutingStats.
+    forward (Switch/GShard load balancing; router z-loss) for the training loop to add, or None when both
+    coefficients are 0 (no loss of its own); ``last_routing`` holds its RoutingStats.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -410,19 +418,23 @@ class ExpertMaskedMoE(nn.Module):
                  down: torch.Tensor | None = None) -> torch.Tensor:
         """The local experts (or the chunk of them whose stacked weights are given) on expert-major rows,
         group sizes tokens_per_expert_E."""
-        counts = tokens_per_expert_E.tolist() if self._use_loop(x_PH) else None  # loop: one host sync
+        loop = self._use_loop(x_PH)
+        counts = tokens_per_expert_E.tolist() if loop else None  # loop: one host sync
+        # grouped GEMMs: both take the same group ends, computed once
+        offs_E = None if loop else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
         gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
         down = self.experts.down_proj if down is None else down
-        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts)
+        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
-        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts)
+        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E)
 
     def _use_loop(self, x_PH: torch.Tensor) -> bool:
         if self.expert_compute != "auto":
             return self.expert_compute == "loop"
-        act = x_PH.new_empty(0, self.intermediate_size)
-        return not (_grouped_mm_supported(x_PH, self.experts.gate_up_proj)
-                    and _grouped_mm_supported(act, self.experts.down_proj))
+        return not (_grouped_mm_supported_for(x_PH.device.type, x_PH.dtype, x_PH.shape[-1],
+                                              self.experts.gate_up_proj.shape[1])
+                    and _grouped_mm_supported_for(x_PH.device.type, x_PH.dtype, self.intermediate_size,
+                                                  self.experts.down_proj.shape[1]))
 
     def _routing_indices(self, ids_TK: torch.Tensor):
         """(order_P, slot_TK, tokens_per_expert_E) for the permute/unpermute ops, in _dispatch_key order.
@@ -431,10 +443,9 @@ class ExpertMaskedMoE(nn.Module):
         if self.ep_group is None or len(self.chunk_bounds) == 1:
             return routing_indices(ids_TK, self.num_experts)
         key_P = self._dispatch_key(ids_TK.reshape(-1))
-        order_P = torch.argsort(key_P, stable=True)
+        sorted_P, order_P = torch.sort(key_P, stable=True)
         slot_P = torch.empty_like(order_P)
         slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-        sorted_P = key_P[order_P]
         key_E = self._dispatch_key(torch.arange(self.num_experts, device=ids_TK.device))
         tokens_per_expert_E = (torch.searchsorted(sorted_P, key_E, right=True)
                                - torch.searchsorted(sorted_P, key_E))
@@ -510,7 +521,9 @@ class ExpertMaskedMoE(nn.Module):
         y_chunks = [all_to_all_wait(*r) for r in returned]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
 
-    def _aux_loss(self, logits_TE, probs_TE, tokens_per_expert_E, num_tokens) -> torch.Tensor:
+    def _aux_loss(self, logits_TE, probs_TE, tokens_per_expert_E, num_tokens) -> torch.Tensor | None:
+        if self.aux_loss_coef == 0 and self.z_loss_coef == 0:
+            return None  # no loss of its own (an injected model's default): no zero tensor to launch and add
         loss = logits_TE.new_zeros((), dtype=torch.float32)
         if self.aux_loss_coef > 0 and num_tokens > 0:
             fraction_E = tokens_per_expert_E.float() / (num_tokens * self.top_k)

@@ -65,12 +65,12 @@ def routing_indices(ids_TK: torch.Tensor, num_experts: int):
         if low < 0 or high >= num_experts:
             raise ValueError(f"routing_indices: expert ids must be in [0, {num_experts}), got ids from {low} "
                              f"to {high}")
-    order_P = torch.argsort(ids_P, stable=True)
+    sorted_P, order_P = torch.sort(ids_P, stable=True)  # the sorted ids come with the order: no gather
     slot_P = torch.empty_like(order_P)
     slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
     # counts from the boundaries of each expert's run in sorted order: no bincount (which syncs on CUDA)
     experts = torch.arange(num_experts + 1, device=ids_P.device, dtype=ids_P.dtype)
-    tokens_per_expert_E = torch.searchsorted(ids_P[order_P], experts).diff()
+    tokens_per_expert_E = torch.searchsorted(sorted_P, experts).diff()
     return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E
 
 

@@ -178,6 +178,15 @@ def test_aux_losses_match_their_formulas():
     torch.testing.assert_close(moe.aux_loss, expected, rtol=1e-5, atol=1e-7)
     (moe.aux_loss).backward()
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+    only_z = ExpertMaskedMoE(16, 16, 4, 2, z_loss_coef=0.001, impl="cpu").train()
+    only_z.gate.weight.data.copy_(moe.gate.weight)
+    only_z(x)
+    torch.testing.assert_close(only_z.aux_loss, 0.001 * torch.logsumexp(logits, -1).pow(2).mean(), rtol=1e-5,
+                               atol=1e-7)
+    # both coefficients 0 (an injected model's default: the family's loss is the objective): no term at all
+    none = ExpertMaskedMoE(16, 16, 4, 2, impl="cpu").train()
+    none(x)
+    assert none.aux_loss is None
 
 
 @pytest.mark.parametrize("kwargs,match", [
