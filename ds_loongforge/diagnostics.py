@@ -154,6 +154,28 @@ def _host_ranges(events, annotated, wanted, iters: int) -> dict[str, dict[str, f
     return out
 
 
+def annotate_modules(groups: dict[str, Iterable[Any]]) -> list[Any]:
+    """Profiler ranges around the forward of modules: ``groups`` maps a range name to the modules whose every
+    forward runs inside ``record_function(name)``, so that ``kernel_timeline`` splits the forward's kernels
+    (innermost range wins) and the host's time by part of the model (e.g. "attention", "moe"). Returns the hook
+    handles; ``handle.remove()`` each to take the ranges off again."""
+    import torch
+
+    handles = []
+    for name, modules in groups.items():
+        def enter(module, args, name=name):
+            ranges = module.__dict__.setdefault("_loongforge_ranges", [])
+            ranges.append(torch.profiler.record_function(name).__enter__())
+
+        def leave(module, args, output):
+            module.__dict__["_loongforge_ranges"].pop().__exit__(None, None, None)
+
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+    return handles
+
+
 def _union_length(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):

@@ -417,6 +417,24 @@ def routing_summary(layers) -> dict:
             "load": mean("max_over_mean_load")}
 
 
+def annotate_model_parts(model: nn.Module) -> list:
+    """Profiler ranges inside the forward for --kernel-profile: "attention" (each decoder layer's self_attn),
+    "mlp" (its MLP or MoE block) and, nested in it, "router" (the MoE block's gate), so the profile gives
+    each part's kernel time and the host's time to issue it. Returns the hook handles to remove."""
+    from ds_loongforge.diagnostics import annotate_modules
+
+    parts: dict[str, list] = {"attention": [], "mlp": [], "router": []}
+    for name, module in model.named_modules():
+        *parent, leaf = name.split(".")
+        if leaf == "self_attn":
+            parts["attention"].append(module)
+        elif leaf in ("mlp", "block_sparse_moe"):
+            parts["mlp"].append(module)
+        elif leaf == "gate" and parent and parent[-1] in ("mlp", "block_sparse_moe"):
+            parts["router"].append(module)
+    return annotate_modules(parts)
+
+
 def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int] | None:
     """First and last step that --kernel-profile N records: from step 6 (op loading, warm-up and the sampler's
     first refresh behind), or the last N steps of a shorter run; never the first step."""
@@ -610,6 +628,7 @@ def main(argv=None) -> dict:
         step_ends.append(_step_mark(cuda and args.timing == "events"))
     kernel_window = kernel_profile_window(args.kernel_profile, start_step, args.steps) if cuda else None
     annotate, kernel_prof, kernels, memory_at_peak = contextlib.nullcontext, None, None, None
+    module_ranges: list = []  # --kernel-profile: hooks that put model parts in profiler ranges
     sync_step = min(start_step + 3, args.steps) if cuda and args.sync_debug else None
     sync_recorder, host_syncs = None, None
     step = start_step
@@ -630,6 +649,7 @@ def main(argv=None) -> dict:
                                                              torch.profiler.ProfilerActivity.CUDA])
             kernel_prof.__enter__()
             annotate = torch.profiler.record_function
+            module_ranges = annotate_model_parts(engine.module)
         for micro in range(accumulation):
             with annotate("data"):
                 batch, real = next(batches)
@@ -667,6 +687,8 @@ def main(argv=None) -> dict:
             get_accelerator().synchronize()
             kernel_prof.__exit__(None, None, None)
             annotate = contextlib.nullcontext
+            for handle in module_ranges:
+                handle.remove()
             kernels = kernel_timeline(kernel_prof, iters=kernel_window[1] - kernel_window[0] + 1, top=40)
             kernels["steps"] = list(kernel_window)
             kernel_prof = None

@@ -93,6 +93,29 @@ def test_kernel_timeline_host_ranges():
     assert "lead" in d.format_kernel_timeline(t)
 
 
+def test_annotate_modules_puts_each_forward_in_its_range():
+    """Every forward of the annotated modules is one profiler range of its group's name (nested in the caller's
+    ranges), also when one module runs twice; removing the handles takes the ranges off."""
+    from torch import nn
+
+    attn, mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+    model = nn.Sequential(attn, mlp, attn)
+    handles = d.annotate_modules({"attention": [attn], "moe": [mlp]})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("forward"):
+            y = model(torch.randn(2, 4))
+    names = [e.name for e in prof.events()]
+    assert names.count("attention") == 2 and names.count("moe") == 1 and names.count("forward") == 1
+    linear = [e for e in prof.events() if e.name == "aten::linear"]
+    assert len(linear) == 3 and all(e.cpu_parent is not None and e.cpu_parent.name in ("attention", "moe")
+                                    for e in linear)
+    for h in handles:
+        h.remove()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert model(torch.randn(2, 4)).shape == y.shape
+    assert not {"attention", "moe"} & {e.name for e in prof.events()}
+
+
 def test_kernel_timeline_without_kernels():
     assert d.kernel_timeline(_Prof([_event("aten::add", 0, 1, device=DeviceType.CPU)]))["kernels_per_iter"] == 0
 

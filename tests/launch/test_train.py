@@ -272,3 +272,25 @@ def test_kernel_profile_window():
     assert train.kernel_profile_window(5, 0, 4) == (2, 4)
     assert train.kernel_profile_window(2, 10, 20) == (16, 17)  # a resumed run counts from its start
     assert train.kernel_profile_window(3, 0, 1) is None
+
+
+@pytest.mark.parametrize("use_lf", [False, True])
+def test_kernel_profile_ranges_cover_attention_mlp_and_router(use_lf):
+    """--kernel-profile's model ranges: every decoder layer's attention and MLP/MoE block, and the MoE router
+    nested in the block, for stock transformers modules and for LoongForge's injected ones."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_local_experts=4, num_experts_per_tok=2))
+    if use_lf:
+        from ds_loongforge.integrations.inject import inject
+
+        inject(model, {"loongforge": {"enabled": True, "fused_kernels": {"rmsnorm": True, "swiglu": True}}})
+    handles = train.annotate_model_parts(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(input_ids=torch.randint(0, 64, (1, 8)))
+    names = [e.name for e in prof.events()]
+    assert (names.count("attention"), names.count("mlp"), names.count("router")) == (2, 2, 2), use_lf
+    for handle in handles:
+        handle.remove()
