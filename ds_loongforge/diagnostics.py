@@ -154,6 +154,13 @@ def _host_ranges(events, annotated, wanted, iters: int) -> dict[str, dict[str, f
     return out
 
 
+def format_host_ranges(host: dict[str, dict[str, float]], digits: int = 2) -> str:
+    """``kernel_timeline``'s host_ranges as one line: 'forward 35.68 (lead 5.43), step 4.84 (lead 0.76)'."""
+    return ", ".join(f"{name} {v['host_ms_per_iter']:.{digits}f}"
+                     + (f" (lead {v['host_lead_ms']:.{digits}f})" if "host_lead_ms" in v else "")
+                     for name, v in host.items())
+
+
 def annotate_modules(groups: dict[str, Iterable[Any]]) -> list[Any]:
     """Profiler ranges around the forward of modules: ``groups`` maps a range name to the modules whose every
     forward runs inside ``record_function(name)``, so that ``kernel_timeline`` splits the forward's kernels
@@ -199,9 +206,7 @@ def format_kernel_timeline(t: dict[str, Any], top: int = 25) -> str:
         lines.append(f"  {r}: " + ", ".join(f"{c} {v:.2f}" for c, v in cats.items()))
     if t.get("host_ranges"):
         lines.append("host (ms/iter issuing each range; how far it ran ahead of the GPU at the range's start): " +
-                     ", ".join(f"{r} {v['host_ms_per_iter']:.2f}" + (f" (lead {v['host_lead_ms']:.2f})"
-                                                                     if "host_lead_ms" in v else "")
-                               for r, v in t["host_ranges"].items()))
+                     format_host_ranges(t["host_ranges"]))
     lines.append("top kernels (ms/iter, calls/iter):")
     lines += [f"  {k['ms_per_iter']:8.3f} {k['calls_per_iter']:7.1f}  [{k['category']}] {k['name']}"
               for k in t["top_kernels"][:top]]
@@ -376,4 +381,4 @@ class HostSyncRecorder:
 
 
 __all__ = ["KERNEL_CATEGORIES", "kernel_category", "kernel_timeline", "format_kernel_timeline", "memory_at_peak",
-           "format_memory_at_peak", "HostSyncRecorder"]
+           "format_memory_at_peak", "HostSyncRecorder", "format_host_ranges", "annotate_modules"]

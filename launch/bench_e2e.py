@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks.harness lives at th
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import RESULTS_DIR, git_commit  # noqa: E402
+from ds_loongforge.diagnostics import format_host_ranges  # noqa: E402
 from ds_loongforge.report import package_version  # noqa: E402
 
 TRAIN = ROOT / "launch" / "train.py"
@@ -249,12 +250,10 @@ def prebuild_cuda_ops() -> dict:
     """Compiles LoongForge's CUDA ops concurrently (one process per op) before the variants run, so the
     LoongForge variant's start-up does not build them one after the other (cold: ~30 s each). A failure is
     recorded, not raised: the variant then fails under strict_ops and its row says why."""
-    from ds_loongforge.op_builder import (FusedAdamWClipBuilder, FusedRMSNormBuilder, FusedSwiGLUBuilder,
-                                          MoEDispatchBuilder, build_ops)
+    from ds_loongforge.op_builder import build_ops, cuda_builders
 
     started = time.perf_counter()
-    builders = [FusedRMSNormBuilder(), FusedSwiGLUBuilder(), MoEDispatchBuilder(), FusedAdamWClipBuilder()]
-    results = build_ops(builders)
+    results = build_ops(cuda_builders())
     failures = {name: str(r) for name, r in results.items() if isinstance(r, Exception)}
     return {"seconds": round(time.perf_counter() - started, 1), "ops": sorted(results), "failures": failures}
 
@@ -391,10 +390,7 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
                 lines.append(f"  - {phase}: " + ", ".join(f"{c} {v:.1f}" for c, v in cats.items()))
             if k.get("host_ranges"):
                 lines.append("  - host (ms issuing each phase, under the profiler; lead: how far the host was ahead "
-                             "of the GPU when the phase began): " + ", ".join(
-                                 f"{phase} {v['host_ms_per_iter']:.1f}" + (
-                                     f" (lead {v['host_lead_ms']:.1f})" if "host_lead_ms" in v else "")
-                                 for phase, v in k["host_ranges"].items()))
+                             "of the GPU when the phase began): " + format_host_ranges(k["host_ranges"], digits=1))
     synced = [r for r in results if r.status == "ok" and (r.train_summary.get("host_syncs") or {}).get("cuda")]
     if synced:
         lines += ["", "Host waits for the device in step 3 (train.py --sync-debug; each empties the GPU's queue):", ""]

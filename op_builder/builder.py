@@ -325,3 +325,8 @@ def all_builders() -> list[OpBuilder]:
     return [FusedRMSNormBuilder(), FusedRMSNormCPUBuilder(), FusedSwiGLUBuilder(), FusedSwiGLUCPUBuilder(),
             MoEDispatchBuilder(), MoEDispatchCPUBuilder(), FusedAdamWClipBuilder(), FusedAdamWClipCPUBuilder(),
             FusedCrossEntropyBuilder(), FusedCrossEntropyCPUBuilder()]
+
+
+def cuda_builders() -> list[OpBuilder]:
+    """The CUDA ops' builders of :func:`all_builders` (what a GPU run prebuilds)."""
+    return [b for b in all_builders() if isinstance(b, LFCUDAOpBuilder)]

@@ -208,7 +208,7 @@ def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features:
         return False
     if device_type == "cuda" and dtype != torch.bfloat16:
         return False  # torch's CUDA grouped GEMM is bf16-only; fp32/fp16 take the per-expert loop
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     return (in_features * elem) % 16 == 0 and (out_features * elem) % 16 == 0
 
 

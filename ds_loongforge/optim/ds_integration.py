@@ -209,8 +209,6 @@ def _gradients_stay_in_place(zero) -> None:
     if getattr(zero, "use_grad_accum_attribute", False) or any(
             zero._use_compact_grad_partition_buffer(i) for i in range(len(zero.bit16_groups))):
         return
-    if getattr(zero, "_loongforge_gradients_in_place", False):
-        return
 
     def setup_buckets(self):
         if not self.ready_for_gradients:  # DeepSpeed's bookkeeping, without the bucket buffers
