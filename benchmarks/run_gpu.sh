@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
-# build_ops, untimed), bench_optimizer, bench_sampler, diagnose_moe, bench_e2e. Steps that write several files
+# build_ops, untimed), bench_optimizer, bench_sampler, diagnose_moe, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480).
 set -uo pipefail
@@ -108,5 +108,15 @@ has bench_sampler && step bench_sampler python3 benchmarks/bench_sampler.py --de
 if has bench_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
   # eval: LF_E2E_ARGS keeps its quotes (--train-args "--kernel-profile 3 --memory-snapshot")
   eval "step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}"
+done; fi
+# the host's Python in the LoongForge e2e step, sampled by py-spy (carried wheel) without torch's profiler: which
+# frames the main thread and autograd's device thread spend the step in (raw collapsed stacks, --threads --idle)
+if has pyspy_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
+  cfg=$RES/pyspy_ds_config.json
+  python3 -c "import json, sys, launch.bench_e2e as b; open(sys.argv[1], 'w').write(json.dumps(b.make_ds_config(True, 4, 'text')))" "$cfg"
+  step pyspy_e2e_$shape /tmp/site/bin/py-spy record ${LF_PYSPY_ARGS:---nonblocking} -r 500 --threads --idle -f raw \
+    -o "$RES/pyspy_$shape.txt" -- python3 launch/train.py --deepspeed_config "$cfg" --model $shape --seq-len 2048 \
+    --steps ${LF_PYSPY_STEPS:-100} --data text --timing events --log-every 10 --eval-every 0 --no-progress \
+    --use-loongforge --profile
 done; fi
 exit 0

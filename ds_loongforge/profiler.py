@@ -27,6 +27,11 @@ advanced), so with gradient accumulation one step covers several forward/backwar
 Clocks. On CUDA every boundary is a ``torch.cuda.Event(enable_timing=True)`` recorded on the current stream,
 so durations are on the GPU's timeline: the all_to_all region around a wait is the time the compute stream
 waited for the exchange, and data is the time the stream waited for the host to start the next forward.
+Host. Every boundary also takes ``time.perf_counter()`` (no device call): ``host_ms_per_step`` is the time the
+Python thread spent inside each phase, issuing its work. A phase whose host time exceeds its device time was
+issued more slowly than the device ran it (the device waited for the host, a launch-bound phase); one whose
+device time is longer ran with work queued ahead. Backward's host time is that of ``engine.backward`` returning
+(autograd's device thread issues the kernels meanwhile). On the CPU both clocks are the host's.
 Events are read only once complete: at each step end the completed ones are folded in with a non-blocking
 ``query()``; the host waits for events only in ``stop()``, ``get_training_stats()`` and every ``report_every``
 steps. On any other device the boundaries are ``time.perf_counter()`` on the host.
@@ -75,16 +80,18 @@ class ProfileReport:
     total_ms: dict[str, float]
     shares: dict[str, float]
     ms_per_step: dict[str, float]
+    host_ms_per_step: dict[str, float] = dataclasses.field(default_factory=dict)  # the Python thread's time
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def format(self) -> str:
         lines = [f"LoongForge profile: {self.steps} steps, {self.window_ms / 1e3:.3f} s on {self.device}",
-                 f"  {'phase':<12}{'share':>8}{'ms/step':>12}{'total ms':>12}"]
+                 f"  {'phase':<12}{'share':>8}{'ms/step':>12}{'total ms':>12}{'host ms/step':>14}"]
         for name, total in self.total_ms.items():
             per_step = f"{self.ms_per_step[name]:.2f}" if name in self.ms_per_step else "-"
-            lines.append(f"  {name:<12}{self.shares[name]:>8.1%}{per_step:>12}{total:>12.1f}")
+            host = f"{self.host_ms_per_step[name]:.2f}" if name in self.host_ms_per_step else "-"
+            lines.append(f"  {name:<12}{self.shares[name]:>8.1%}{per_step:>12}{total:>12.1f}{host:>14}")
         return "\n".join(lines)
 
 
@@ -241,10 +248,11 @@ class _CudaClock:
 
 
 class _Span:
-    __slots__ = ("name", "start", "end", "parent")
+    __slots__ = ("name", "start", "end", "parent", "host_start", "host_end")
 
-    def __init__(self, name: str, start, parent: _Span | None):
+    def __init__(self, name: str, start, parent: _Span | None, host_start: float):
         self.name, self.start, self.end, self.parent = name, start, None, parent
+        self.host_start, self.host_end = host_start, None
 
 
 class _Region:
@@ -270,6 +278,7 @@ class _Totals:
     phase_ms: dict[str, float]
     steps: int
     step_count: int  # entries of step_ms
+    host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class _Session:
@@ -281,10 +290,12 @@ class _Session:
         self.open: list[_Span] = []
         self.pending: deque[_Span] = deque()  # closed, not yet read
         self.phase_ms: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.host_ms: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.busy_ms = 0.0                    # sum of the top-level spans
         self.first = None                     # start mark of the first span: the window's start
         self.last = None                      # end mark of the latest top-level span: the window's end
         self.last_step_end = None             # until the next forward claims it as the start of a data span
+        self.last_step_host_end = 0.0
         self.previous_step_end = None
         self.pending_steps: deque = deque()   # (start, end) marks of optimizer steps not yet read
         self.step_ms: list[float] = []
@@ -300,7 +311,7 @@ class _Session:
     # ---- spans
 
     def open_span(self, name: str) -> _Span:
-        span = _Span(name, self.clock.mark(), self.open[-1] if self.open else None)
+        span = _Span(name, self.clock.mark(), self.open[-1] if self.open else None, time.perf_counter())
         if self.first is None:
             self.first = span.start
         self.open.append(span)
@@ -308,6 +319,7 @@ class _Session:
 
     def close_span(self, span: _Span) -> None:
         span.end = self.clock.mark()
+        span.host_end = time.perf_counter()
         top = self.open.pop()
         assert top is span, f"profiler spans closed out of order: {top.name} open, {span.name} closing"
         if span.parent is None:
@@ -325,11 +337,14 @@ class _Session:
         while self.pending and clock.ready(self.pending[0].end):
             span = self.pending.popleft()
             ms = clock.elapsed_ms(span.start, span.end)
+            host_ms = (span.host_end - span.host_start) * 1e3
             self.phase_ms[span.name] = self.phase_ms.get(span.name, 0.0) + ms
+            self.host_ms[span.name] = self.host_ms.get(span.name, 0.0) + host_ms
             if span.parent is None:
                 self.busy_ms += ms
             else:
                 self.phase_ms[span.parent.name] -= ms
+                self.host_ms[span.parent.name] -= host_ms
         while self.pending_steps and (block or clock.ready(self.pending_steps[0][1])):
             begin, end = self.pending_steps.popleft()
             self.step_ms.append(clock.elapsed_ms(begin, end))
@@ -337,7 +352,7 @@ class _Session:
     def totals(self) -> _Totals:
         """Cumulative figures; call after ``fold(block=True)``."""
         window = self.clock.elapsed_ms(self.first, self.last) if self.first is not None else 0.0
-        return _Totals(window, self.busy_ms, dict(self.phase_ms), self.steps, len(self.step_ms))
+        return _Totals(window, self.busy_ms, dict(self.phase_ms), self.steps, len(self.step_ms), dict(self.host_ms))
 
     def report(self, now: _Totals, since: _Totals | None) -> ProfileReport:
         if since is None:
@@ -352,7 +367,9 @@ class _Session:
         shares = {name: ms / denominator if denominator > 0 else 0.0 for name, ms in total.items()}
         steps = now.steps - since.steps
         per_step = {name: ms / steps for name, ms in total.items()} if steps else {}
-        return ProfileReport(steps, window, str(self.clock.device), total, shares, per_step)
+        host = {name: max(0.0, ms - since.host_ms.get(name, 0.0)) / steps
+                for name, ms in now.host_ms.items()} if steps else {}
+        return ProfileReport(steps, window, str(self.clock.device), total, shares, per_step, host)
 
     # ---- engine wrappers
 
@@ -376,8 +393,8 @@ class _Session:
         def forward(*args, **kwargs):
             span = self.open_span("forward")
             if self.last_step_end is not None and span.parent is None:
-                data = _Span("data", self.last_step_end, None)
-                data.end = span.start
+                data = _Span("data", self.last_step_end, None, self.last_step_host_end)
+                data.end, data.host_end = span.start, span.host_start
                 self.pending.append(data)
                 self.last_step_end = None
             try:
@@ -408,7 +425,7 @@ class _Session:
             finally:
                 self.close_span(span)
             if span.parent is None:
-                self.last_step_end = span.end
+                self.last_step_end, self.last_step_host_end = span.end, span.host_end
             if global_steps is None or engine.global_steps != global_steps:
                 self._end_of_step(span.end)
             return result

@@ -192,6 +192,11 @@ def test_phase_durations_data_and_idle_on_known_sleeps():
     assert 10 <= per_step["forward"] < 40 and 20 <= per_step["backward"] < 60 and 5 <= per_step["optimizer"] < 30
     assert 0.75 * 15 <= per_step["data"] < 45  # three data gaps inside the window over four steps
     assert 8 <= per_step["idle"] < 30
+    # on the CPU the device clock is the host's: each phase's host time is its time
+    host = report.host_ms_per_step
+    for phase in ("forward", "backward", "optimizer", "data"):
+        assert host[phase] == pytest.approx(per_step[phase], abs=1.0), (phase, host, per_step)
+    assert "host ms/step" in report.format()
     stats = profiler.get_training_stats()
     assert stats["tokens"] == 400 and stats["steps"] == 4
     assert stats["step_time_median_ms"] >= 10 + 8 + 20 + 5
@@ -218,6 +223,7 @@ def test_region_records_time_when_active_and_is_exclusive():
     assert report.steps == 0 and report.ms_per_step == {}
     assert report.total_ms["all_to_all"] >= 25
     assert 10 <= report.total_ms["forward"] < report.total_ms["all_to_all"]  # the nested 20 ms not counted twice
+    assert report.host_ms_per_step == {}  # no step completed: no per-step figures
     assert sum(report.shares.values()) == pytest.approx(1.0, abs=SHARE_TOLERANCE)
     assert profiler.region("all_to_all") is profiler.region("x")  # off again
 
@@ -333,6 +339,38 @@ def test_cuda_events_are_read_without_a_synchronize_per_step(monkeypatch):
     stats = profiler.get_training_stats()
     assert stats["tokens"] == 8 * 4096 and stats["tokens_per_s"] > 0
     assert stats["gpu_utilization_pct"] is not None or "NVML unavailable" in stats["gpu_utilization_note"]
+
+
+class _HostOrDeviceBoundEngine(_CudaEngine):
+    """forward sleeps 30 ms on the host with nothing queued (bound by the host); backward queues ~30 ms of GPU
+    work and returns at once (bound by the device); step waits for the device, so each step starts idle."""
+
+    def forward(self, x):
+        time.sleep(0.030)
+        return x
+
+    def backward(self, loss):
+        torch.cuda._sleep(int(30e-3 * torch.cuda.clock_rate() * 1e6))  # cycles at the SM clock (MHz)
+
+    def step(self):
+        torch.cuda.synchronize()
+        self.global_steps += 1
+
+
+@pytest.mark.gpu
+def test_host_and_device_times_tell_a_launch_bound_phase_from_a_device_bound_one():
+    engine = _HostOrDeviceBoundEngine()
+    x = torch.zeros((), device="cuda")
+    torch.cuda.synchronize()
+    profiler.start(engine)
+    for _ in range(4):
+        engine.backward(engine(x))
+        engine.step()
+    report = profiler.stop()
+    device, host = report.ms_per_step, report.host_ms_per_step
+    assert host["forward"] >= 30 and device["forward"] <= host["forward"] + 1, report.format()
+    assert host["backward"] < 5 < 15 < device["backward"], report.format()
+    assert host["optimizer"] > 15 > device["optimizer"], report.format()  # the wait is the host's
 
 
 def test_region_only_session_keeps_a_bounded_backlog():
