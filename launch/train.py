@@ -544,6 +544,7 @@ def main(argv=None) -> dict:
             documents = _corpus.pydoc_documents()[:args.max_documents]
             source = "pydoc_data.topics (CPython documentation)"
         corpus = _corpus.pack(documents, tokenizer, args.seq_len, args.eval_fraction, source)
+    corpus = _corpus.with_tensor_rows(corpus)
     logger.info("data: %s, %d train + %d eval sequences of %d tokens (%s tokenizer, vocab %d; model vocab %d)",
                 corpus.source, len(corpus.train), len(corpus.eval), args.seq_len, tokenizer.name,
                 tokenizer.vocab_size, model_vocab)

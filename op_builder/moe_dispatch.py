@@ -1,4 +1,5 @@
-"""Builders of the fused MoE dispatch op family: permute / unpermute, forward and backward (csrc/moe_dispatch)."""
+"""Builders of the fused MoE dispatch op family: permute / unpermute, forward and backward, and the routing
+indices (csrc/moe_dispatch)."""
 
 from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
 
@@ -6,10 +7,12 @@ from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
 class MoEDispatchBuilder(LFCUDAOpBuilder):
     NAME = "lf_moe_dispatch"
     BUILD_VAR = "LF_BUILD_MOE_DISPATCH"
-    SOURCES = ("moe_dispatch/moe_dispatch.cu", "moe_dispatch/moe_dispatch_binding.cpp")
+    SOURCES = ("moe_dispatch/moe_dispatch.cu", "moe_dispatch/moe_routing.cu",
+               "moe_dispatch/moe_dispatch_binding.cpp")
 
 
 class MoEDispatchCPUBuilder(LFCPUOpBuilder):
     NAME = "lf_moe_dispatch_cpu"
     BUILD_VAR = "LF_BUILD_MOE_DISPATCH"
-    SOURCES = ("moe_dispatch/moe_dispatch_cpu.cpp", "moe_dispatch/moe_dispatch_binding.cpp")
+    SOURCES = ("moe_dispatch/moe_dispatch_cpu.cpp", "moe_dispatch/moe_routing_cpu.cpp",
+               "moe_dispatch/moe_dispatch_binding.cpp")

@@ -8,6 +8,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "lf_common.h"
 
 namespace loongforge {
@@ -56,6 +60,26 @@ inline int lf_sm_count() {
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return sms;
+}
+
+// Resident blocks of `kernel` per SM at `threads` threads and no dynamic shared memory, asked of the runtime
+// once per (device, kernel, threads): cudaOccupancyMaxActiveBlocksPerMultiprocessor reads the kernel's attributes
+// from the driver at every call, which cost more host time per RMSNorm backward on the H200 than its launches,
+// while the answer never changes for a given kernel, block size and device.
+template <typename Kernel>
+int lf_max_blocks_per_sm(Kernel kernel, int threads) {
+    static std::mutex lock;
+    static std::map<std::tuple<int, const void*, int>, int> known;
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), threads);
+    std::lock_guard<std::mutex> guard(lock);
+    auto found = known.find(key);
+    if (found != known.end()) return found->second;
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    known.emplace(key, per_sm);
+    return per_sm;
 }
 
 inline bool lf_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -1,6 +1,7 @@
-// Python binding of the fused MoE dispatch ops (permute / unpermute, forward and backward). The four
-// entry points check their arguments and allocate here, once for both builds; each build supplies the two
-// row kernels they are made of (moe_dispatch.cu on CUDA, moe_dispatch_cpu.cpp on the CPU):
+// Python binding of the fused MoE dispatch ops (permute / unpermute, forward and backward, and the routing
+// indices they take). The entry points check their arguments and allocate here, once for both builds; each
+// build supplies the two row kernels they are made of (moe_dispatch.cu on CUDA, moe_dispatch_cpu.cpp on the CPU)
+// and the routing sort (moe_routing.cu, moe_routing_cpu.cpp):
 //   scatter: dst_PH[slot_TK[t, j]] = w[t, j] * src_TH[t]  (+ dweights_TK[t, j] = src_TH[t] . y_PH[slot_TK[t, j]])
 //   gather:  dst_TH[t] = sum_j w[t, j] * src_PH[slot_TK[t, j]]                  (fp32, one rounding)
 // An undefined weights_TK means w = 1; an undefined y_PH skips dweights.
@@ -16,8 +17,11 @@ void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, 
                            const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                           const at::Tensor& dst_TH);
+void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
+                              const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 #define LF_SCATTER_ROWS moe_scatter_rows_cuda
 #define LF_GATHER_ROWS moe_gather_rows_cuda
+#define LF_ROUTING_INDICES moe_routing_indices_cuda
 #define LF_DEVICE "cuda"
 constexpr c10::DeviceType kDispatchDevice = c10::DeviceType::CUDA;
 #else
@@ -25,8 +29,11 @@ void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, c
                           const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                          const at::Tensor& dst_TH);
+void moe_routing_indices_cpu(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
+                             const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 #define LF_SCATTER_ROWS moe_scatter_rows_cpu
 #define LF_GATHER_ROWS moe_gather_rows_cpu
+#define LF_ROUTING_INDICES moe_routing_indices_cpu
 #define LF_DEVICE "cpu"
 constexpr c10::DeviceType kDispatchDevice = c10::DeviceType::CPU;
 #endif
@@ -64,6 +71,17 @@ std::vector<at::Tensor> unpermute_bwd(const at::Tensor& dout_TH, const c10::opti
     return {dy_PH, dweights_TK};
 }
 
+std::vector<at::Tensor> routing_indices(const at::Tensor& ids_TK, int64_t num_experts) {
+    check_routing_args(ids_TK, num_experts, kDispatchDevice);
+    const auto index = ids_TK.options().dtype(at::kLong);
+    auto order_P = at::empty({ids_TK.numel()}, index);
+    auto slot_TK = at::empty(ids_TK.sizes(), index);
+    auto counts_E = at::empty({num_experts}, index);
+    auto offsets_E = at::empty({num_experts}, ids_TK.options().dtype(at::kInt));
+    LF_ROUTING_INDICES(ids_TK, num_experts, order_P, slot_TK, counts_E, offsets_E);
+    return {order_P, slot_TK, counts_E, offsets_E};
+}
+
 }  // namespace
 }  // namespace loongforge
 
@@ -78,4 +96,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("unpermute_backward", &loongforge::unpermute_bwd, py::arg("dout_TH"), py::arg("y_PH"),
           py::arg("slot_TK"), py::arg("weights_TK"),
           "returns (dy_PH, dweights_TK[fp32] or None when y_PH is None)");
+    m.def("routing_indices", &loongforge::routing_indices, py::arg("ids_TK"), py::arg("num_experts"),
+          "(order_P, slot_TK, counts_E, offsets_E[int32 inclusive cumsum]): the stable sort of the pairs by expert");
 }

@@ -99,4 +99,23 @@ inline void check_unpermute_bwd_args(const at::Tensor& dout_TH, const c10::optio
     }
 }
 
+// The CUDA routing kernels keep one counter per expert (and one for out-of-range ids) in shared memory.
+constexpr int64_t kMaxRoutingExperts = 8192;
+
+// ids_TK [T, K] contiguous int64 expert ids; P = T*K below 2^31 (positions and grouped-GEMM offsets are int32).
+inline void check_routing_args(const at::Tensor& ids_TK, int64_t num_experts, c10::DeviceType device) {
+    const char* op = "moe_routing_indices";
+    LF_CHECK(ids_TK.device().type() == device, op, ": ids_TK must be on ", device, ", got a tensor on ",
+             ids_TK.device());
+    LF_CHECK_DIM(ids_TK, 2);
+    LF_CHECK_CONTIGUOUS(ids_TK);
+    LF_CHECK_DTYPE(ids_TK, at::kLong);
+    LF_CHECK(num_experts >= 1, op, ": num_experts must be >= 1, got ", num_experts);
+    LF_CHECK(ids_TK.numel() < std::numeric_limits<int>::max(), op, ": T*K = ", ids_TK.numel(),
+             " pairs; at most 2^31 - 2 are supported (int32 grouped-GEMM offsets)");
+    LF_CHECK(device != c10::DeviceType::CUDA || num_experts <= kMaxRoutingExperts, op, ": num_experts = ",
+             num_experts, " is above the CUDA kernel's ", kMaxRoutingExperts,
+             " (one shared-memory counter each); use routing_indices_reference");
+}
+
 }  // namespace loongforge

@@ -33,9 +33,7 @@ std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor&
             const W* wp = weight.data_ptr<W>();
             // Persistent grid: as many blocks as fit at once, so dw partials stay few.
             auto blocks_for = [&](auto kernel, int threads, int64_t work_items) {
-                int per_sm = 0;
-                C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                                             threads, 0));
+                const int per_sm = lf_max_blocks_per_sm(kernel, threads);
                 return std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(per_sm) * sms,
                                                               work_items));
             };

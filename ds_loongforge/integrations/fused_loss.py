@@ -74,6 +74,7 @@ class _DeferredLMHead(nn.Linear):
 class _ForwardSpec:
     positional: tuple[str, ...]  # parameter names after self that can be passed positionally
     adds_aux: bool               # the forward adds router_aux_loss_coef * aux_loss to the loss
+    takes_use_cache: bool = False  # the forward has a use_cache parameter
 
 
 def uses_fused_loss(model: nn.Module) -> bool:
@@ -211,7 +212,8 @@ def _forward_spec(cls: type) -> _ForwardSpec | str:
                        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
     if "labels" not in positional:
         return f"{where} has no labels parameter"
-    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds))
+    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds),
+                        takes_use_cache=any(p.name == "use_cache" for p in params))
 
 
 def _is_loss_call(value: ast.expr) -> bool:
@@ -290,8 +292,14 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
         return_dict = True if return_dict is None else return_dict
     head = model.lm_head
     head._loongforge_defer = True
+    # a training call that does not ask for a KV cache gets none: the model would otherwise build a DynamicCache
+    # and copy every layer's keys and values into it (host work in each attention call, device copies, memory held
+    # until the output is dropped) for nothing a loss needs
+    call = {**kwargs, "labels": None, "return_dict": True}
+    if spec.takes_use_cache and call.get("use_cache") is None:
+        call["use_cache"] = False
     try:
-        out = original(**{**kwargs, "labels": None, "return_dict": True})
+        out = original(**call)
     finally:
         hidden = head.__dict__.pop("_loongforge_hidden", None)
         head._loongforge_defer = False

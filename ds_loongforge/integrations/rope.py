@@ -3,8 +3,8 @@
 transformers' attention calls the function of its own modeling module by name
 (``modeling_mixtral.apply_rotary_pos_emb(q, k, cos, sin)``), so the replacement is a process-wide patch of that
 module attribute, not a module swap: every model of that family in the process uses it. The patch is a wrapper
-that sends a call to Liger (``liger_kernel.transformers.rope.liger_rotary_pos_emb``) only when Liger computes what
-the original returns, and calls the original otherwise:
+that sends a call to Liger (its Triton ``LigerRopeFunction``; ``liger_rotary_pos_emb`` where that class is missing)
+only when Liger computes what the original returns, and calls the original otherwise:
 
 * q, k, cos, sin plain tensors on one CUDA device (a model injected on the CPU and moved to the GPU later runs the
   original while its tensors are on the CPU); q [B, Hq, S, D], k [B, Hk, S, D], cos = sin shape [1 or B, S, D]
@@ -29,8 +29,8 @@ a ``retain_grad()`` on the rotated q, an output that also feeds an addition). te
 test_rope_injection.py checks the families' models with a PyTorch function of the same in-place contract whose
 writes do bump the version counters.
 
-torch.compile: Liger's dispatcher is ``torch.compiler.disable``d, so each patched call is a graph break; for a
-compiled model (where Inductor fuses HF's RoPE itself) ``"rope": false`` is likely the better choice.
+torch.compile: each patched call is a Triton kernel behind an autograd.Function; for a compiled model (where
+Inductor fuses HF's RoPE itself) ``"rope": false`` is likely the better choice.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ logger = logging.getLogger("ds_loongforge")
 
 LIGER_DIST = "liger-kernel"
 LIGER_MODULE = "liger_kernel.transformers.rope"
+LIGER_OPS_MODULE = "liger_kernel.ops.rope"
 ORIGINAL_ATTR = _patching.ORIGINAL_ATTR  # on a wrapper: the function it replaced
 FUSED_ATTR = "__loongforge_fused__"        # on a wrapper: the fused function it calls
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -62,10 +63,18 @@ _lock = _patches.lock
 _failed: dict[str, str] = {}  # fused function's label -> why it is no longer called
 
 
+@functools.lru_cache(maxsize=None)  # one fused callable per process: every patched family shares it
 def load_liger() -> tuple[Callable | None, str]:
-    """(``liger_rotary_pos_emb``, ``"liger-kernel X.Y.Z"``), or (None, why it cannot be used)."""
+    """(Liger's Triton RoPE as ``fused(q, k, cos, sin)``, ``"liger-kernel X.Y.Z"``), or (None, why it cannot be
+    used). Where ``liger_kernel.ops.rope.LigerRopeFunction`` exists it is applied directly: from 0.8 Liger's
+    public ``liger_rotary_pos_emb`` goes through its multi-backend dispatcher, whose Python (backend resolution,
+    registry lookups, ``torch.compiler.disable``) cost the H200's host more than the Triton launch itself (py-spy
+    of the e2e mixtral step: about 1.3 of 1.8 ms per step), and on CUDA that dispatcher runs this same function."""
     try:
         fused = importlib.import_module(LIGER_MODULE).liger_rotary_pos_emb
+        function = getattr(importlib.import_module(LIGER_OPS_MODULE), "LigerRopeFunction", None)
+        if function is not None:
+            fused = functools.partial(_apply_rope_function, function.apply)
     except ImportError as err:
         if (err.name or "").split(".")[0] == "liger_kernel":
             return None, f"{LIGER_DIST} is not installed (pip install {LIGER_DIST})"
@@ -77,6 +86,10 @@ def load_liger() -> tuple[Callable | None, str]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown version"
     return fused, f"{LIGER_DIST} {version}"
+
+
+def _apply_rope_function(apply: Callable, q, k, cos, sin):
+    return apply(q, k, cos, sin)
 
 
 def cuda_visible() -> bool:

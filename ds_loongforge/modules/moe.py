@@ -4,7 +4,7 @@ Legend (shape suffixes): T tokens, H hidden, I expert intermediate size, E exper
 P = T*K token-expert pairs in expert-major order.
 
     x_TH -> router: logits_TE -> softmax (fp32) -> top-k (or sampled k) -> ids_TK, weights_TK
-         -> routing_indices: stable sort of the P pairs by expert (order_P, slot_TK, counts; no sync)
+         -> expert_routing: stable counting sort of the P pairs by expert (order_P, slot_TK, counts, group ends)
          -> fused permute kernel: gather x rows into expert-major order              x_PH
          -> grouped GEMM gate_up [E, 2I, H] over the per-expert row groups          h_P(2I)
          -> fused SwiGLU (+dropout)                                                 a_PI
@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops.moe_dispatch import moe_permute, moe_unpermute, routing_indices
+from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
 ROUTER_MODES = ("topk", "sampled")
@@ -395,11 +395,11 @@ class ExpertMaskedMoE(nn.Module):
         num_tokens, k = x_TH.shape[0], self.top_k
 
         logits_TE, probs_TE, weights_TK, ids_TK = self.gate(x_TH)
-        order_P, slot_TK, tokens_per_expert_E = self._routing_indices(ids_TK)
+        order_P, slot_TK, tokens_per_expert_E, offsets_E = self._routing_indices(ids_TK)
         x_PH = moe_permute(x_TH, order_P, slot_TK, impl=self.impl)
 
         if self.ep_size == 1:
-            y_PH = self._experts(x_PH, tokens_per_expert_E)
+            y_PH = self._experts(x_PH, tokens_per_expert_E, offsets_E=offsets_E)
         elif self.ep_group is None:
             raise RuntimeError(f"ExpertMaskedMoE: ep_size={self.ep_size} but no expert-parallel group is bound; "
                                "pass ep_group, or use moe_deepspeed.DeepSpeedExpertMaskedMoE")
@@ -415,13 +415,14 @@ class ExpertMaskedMoE(nn.Module):
         return out_TH.view(shape)
 
     def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor, gate_up: torch.Tensor | None = None,
-                 down: torch.Tensor | None = None) -> torch.Tensor:
+                 down: torch.Tensor | None = None, offsets_E: torch.Tensor | None = None) -> torch.Tensor:
         """The local experts (or the chunk of them whose stacked weights are given) on expert-major rows,
-        group sizes tokens_per_expert_E."""
+        group sizes tokens_per_expert_E (group ends offsets_E, int32, when the routing gave them)."""
         loop = self._use_loop(x_PH)
         counts = tokens_per_expert_E.tolist() if loop else None  # loop: one host sync
         # grouped GEMMs: both take the same group ends, computed once
-        offs_E = None if loop else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        offs_E = None if loop else (offsets_E if offsets_E is not None
+                                    else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
         gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
         down = self.experts.down_proj if down is None else down
         gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E)
@@ -437,11 +438,12 @@ class ExpertMaskedMoE(nn.Module):
                                                   self.experts.down_proj.shape[1]))
 
     def _routing_indices(self, ids_TK: torch.Tensor):
-        """(order_P, slot_TK, tokens_per_expert_E) for the permute/unpermute ops, in _dispatch_key order.
-        No host sync, no atomics: counts come from the run boundaries of the sorted keys (torch.bincount
+        """(order_P, slot_TK, tokens_per_expert_E, offsets_E or None) for the permute/unpermute ops, in
+        _dispatch_key order. No host sync, no atomics: locally the counting-sort kernel (expert_routing); with
+        chunked expert parallelism the counts come from the run boundaries of the sorted keys (torch.bincount
         would read the largest id back to the host on CUDA)."""
         if self.ep_group is None or len(self.chunk_bounds) == 1:
-            return routing_indices(ids_TK, self.num_experts)
+            return expert_routing(ids_TK, self.num_experts, impl=self.impl)
         key_P = self._dispatch_key(ids_TK.reshape(-1))
         sorted_P, order_P = torch.sort(key_P, stable=True)
         slot_P = torch.empty_like(order_P)
@@ -449,7 +451,7 @@ class ExpertMaskedMoE(nn.Module):
         key_E = self._dispatch_key(torch.arange(self.num_experts, device=ids_TK.device))
         tokens_per_expert_E = (torch.searchsorted(sorted_P, key_E, right=True)
                                - torch.searchsorted(sorted_P, key_E))
-        return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E
+        return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E, None
 
     def _dispatch_key(self, ids_P: torch.Tensor) -> torch.Tensor:
         """Sort key of the token-expert pairs. Local: the expert id (expert-major). Expert-parallel with C

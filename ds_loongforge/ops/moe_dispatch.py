@@ -4,9 +4,10 @@
 Legend (shape suffixes): T tokens, K experts per token, P = T*K token-expert pairs (pair t*K + j is
 token t's j-th expert), H hidden, E experts.
 
-    routing_indices(ids_TK, E) -> order_P, slot_TK, tokens_per_expert_E            (plain torch)
+    expert_routing(ids_TK, E) -> order_P, slot_TK, tokens_per_expert_E, offsets_E   (counting-sort kernel)
         order_P[p]    the pair at expert-major position p (stable: token order within an expert)
         slot_TK[t, j] the expert-major position of pair (t, j): order_P's inverse
+        offsets_E[e]  int32 group ends (cumsum of the counts), as torch's grouped GEMM takes them
     moe_permute(x_TH, order_P, slot_TK) -> x_PH[p] = x_TH[order_P[p] // K]
         backward: dx_TH[t] = sum_j dx_PH[slot_TK[t, j]]
     moe_unpermute(y_PH, slot_TK, weights_TK) -> out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]
@@ -28,12 +29,15 @@ Rows may be row-strided views (unit stride along H) without a copy; other layout
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ds_loongforge.op_builder import MoEDispatchBuilder, MoEDispatchCPUBuilder
 from ds_loongforge.ops._dispatch import kernel_for
 
 _BUILDERS = {"cuda": MoEDispatchBuilder, "cpu": MoEDispatchCPUBuilder}
+MAX_KERNEL_EXPERTS = 8192  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRoutingExperts (CUDA)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -46,32 +50,68 @@ def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def routing_indices(ids_TK: torch.Tensor, num_experts: int):
-    """``(order_P, slot_TK, tokens_per_expert_E)``, all int64, from the experts ``ids_TK`` [T, K] of each token.
+class Routing(NamedTuple):
+    """The routing indices of one forward (see the module legend); offsets_E[e] = counts[0] + ... + counts[e] as
+    int32, the group ends torch's grouped GEMM takes."""
 
-    On CPU the ids are checked to lie in [0, num_experts). On CUDA they are not (it would cost a host
-    sync): an id >= num_experts is then missing from tokens_per_expert_E, and a negative one is counted
-    nowhere. No step here syncs with the host or uses atomics.
-    """
+    order_P: torch.Tensor
+    slot_TK: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    offsets_E: torch.Tensor
+
+
+def _check_routing_args(ids_TK: torch.Tensor, num_experts: int) -> None:
     if ids_TK.dim() != 2:
         raise ValueError(f"routing_indices: ids_TK must be [tokens, k], got shape {tuple(ids_TK.shape)}")
     if ids_TK.dtype.is_floating_point or ids_TK.dtype.is_complex or ids_TK.dtype == torch.bool:
         raise ValueError(f"routing_indices: ids_TK must hold integer expert ids, got dtype {ids_TK.dtype}")
     if num_experts < 1:
         raise ValueError(f"routing_indices: num_experts must be >= 1, got {num_experts}")
-    ids_P = ids_TK.reshape(-1)
-    if ids_P.device.type == "cpu" and ids_P.numel():
-        low, high = int(ids_P.min()), int(ids_P.max())
+    if ids_TK.device.type == "cpu" and ids_TK.numel():
+        low, high = int(ids_TK.min()), int(ids_TK.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"routing_indices: expert ids must be in [0, {num_experts}), got ids from {low} "
                              f"to {high}")
+
+
+def routing_indices_reference(ids_TK: torch.Tensor, num_experts: int) -> Routing:
+    """Plain PyTorch: a stable sort of the pairs by expert, its inverse, the counts from the run boundaries of the
+    sorted ids (torch.bincount would read the largest id back to the host on CUDA), their int32 cumsum."""
+    _check_routing_args(ids_TK, num_experts)
+    ids_P = ids_TK.reshape(-1)
     sorted_P, order_P = torch.sort(ids_P, stable=True)  # the sorted ids come with the order: no gather
     slot_P = torch.empty_like(order_P)
     slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-    # counts from the boundaries of each expert's run in sorted order: no bincount (which syncs on CUDA)
     experts = torch.arange(num_experts + 1, device=ids_P.device, dtype=ids_P.dtype)
     tokens_per_expert_E = torch.searchsorted(sorted_P, experts).diff()
-    return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E
+    return Routing(order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E,
+                   torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
+
+
+def expert_routing(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto") -> Routing:
+    """``Routing(order_P, slot_TK, tokens_per_expert_E, offsets_E)``, index tensors int64, from the experts
+    ``ids_TK`` [T, K] of each token: order_P is the stable sort of the pairs by expert (token order within an
+    expert), slot_TK its inverse.
+
+    The kernel (``impl`` "auto", "cuda" or "cpu") is one counting sort in three launches from one host call, where
+    the reference takes about ten ops; "auto" falls back to the reference where the kernel cannot be built or
+    takes no such input (more than 8192 experts on CUDA). On the CPU the ids are checked to lie in
+    [0, num_experts). On CUDA they are not (it would cost a host sync): an out-of-range id then gets a position
+    after every expert's rows and is counted nowhere. No step here syncs with the host or uses
+    order-dependent atomics: the result is deterministic and the same on every path.
+    """
+    _check_routing_args(ids_TK, num_experts)
+    kernel = None
+    if not (ids_TK.device.type == "cuda" and num_experts > MAX_KERNEL_EXPERTS and impl == "auto"):
+        kernel = kernel_for("routing_indices", _BUILDERS, ids_TK.device.type, impl)
+    if kernel is None or ids_TK.numel() >= 2**31 - 1:
+        return routing_indices_reference(ids_TK, num_experts)
+    return Routing(*kernel.routing_indices(ids_TK.long().contiguous(), num_experts))
+
+
+def routing_indices(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto"):
+    """``(order_P, slot_TK, tokens_per_expert_E)`` of :func:`expert_routing`."""
+    return tuple(expert_routing(ids_TK, num_experts, impl)[:3])
 
 
 def _check_indices(op: str, order_P: torch.Tensor | None, slot_TK: torch.Tensor) -> None:

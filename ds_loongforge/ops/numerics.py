@@ -15,6 +15,7 @@ import torch
 from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cross_entropy_
 from ds_loongforge.ops.moe_dispatch import (moe_permute, moe_permute_reference, moe_unpermute,
                                             moe_unpermute_reference, routing_indices)
+from ds_loongforge.ops.moe_dispatch import expert_routing, routing_indices_reference
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
@@ -275,6 +276,17 @@ def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: 
             for n, o, f, e in zip(["out", "dy", "dweights"], ours, ref, eager)]
 
 
+def routing_checks(tokens: int, k: int, experts: int, device: str, impl: str,
+                   generator: torch.Generator | None = None) -> list[CheckResult]:
+    """expert_routing(impl) against the reference's stable sort: integers, so the tolerance is 0 (error: the
+    number of entries that differ)."""
+    ids_TK, _ = random_routing(tokens, k, experts, device, generator)
+    ours, ref = expert_routing(ids_TK, experts, impl=impl), routing_indices_reference(ids_TK, experts)
+    label = f"routing_indices {impl} T={tokens} K={k} E={experts}"
+    return [CheckResult(f"{label} {name}", float((a != b).sum()) if a.shape == b.shape else float(b.numel()), 0.0)
+            for name, a, b in zip(ours._fields, ours, ref)]
+
+
 def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]]:
     """The quick checks ``loongforge_report --verify`` runs for one compiled op, one line each."""
     impl = device
@@ -291,6 +303,7 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(moe_permute_checks(129, 2880, 8, 64, d, device, impl)))
             checks.append(lambda d=dtype: _merge(moe_unpermute_checks(129, 2880, 8, 64, d, device, impl)))
+        checks.append(lambda: _merge(routing_checks(3001, 8, 64, device, impl)))  # 3 rank blocks, idle experts
     elif builder_name.startswith("lf_cross_entropy"):
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(cross_entropy_checks(257, 32000, d, device, impl)))

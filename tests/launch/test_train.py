@@ -151,6 +151,22 @@ def test_pack_holds_out_whole_documents():
         _corpus.pack(docs, tok, seq_len=1000, eval_fraction=0.25, source="test")
 
 
+def test_tensor_rows_collate_to_the_same_batches():
+    from ds_loongforge.data import PadCollator
+
+    tok = _corpus.ByteTokenizer()
+    corpus = _corpus.pack(["alpha " * 40, "beta " * 40, "gamma " * 40], tok, seq_len=16, eval_fraction=0.3,
+                          source="test")
+    tensors = _corpus.with_tensor_rows(corpus)
+    assert (len(tensors.train), len(tensors.eval), tensors.tokens) == (len(corpus.train), len(corpus.eval),
+                                                                        corpus.tokens)
+    for row, lists in zip(tensors.train + tensors.eval, corpus.train + corpus.eval):
+        assert row["input_ids"].dtype == torch.long and row["input_ids"].tolist() == lists["input_ids"]
+    collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8)
+    a, b = collate(tensors.train[:3]), collate(corpus.train[:3])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_pydoc_corpus_is_offline_english():
     docs = _corpus.pydoc_documents()
     assert len(docs) > 50 and sum(map(len, docs)) > 100_000

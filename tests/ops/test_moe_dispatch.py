@@ -6,10 +6,10 @@ Legend: T tokens, H hidden, K experts per token, E experts, P = T*K pairs."""
 import pytest
 import torch
 
-from ds_loongforge.ops import (moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference,
-                               routing_indices)
-from ds_loongforge.ops.moe_dispatch import _BUILDERS
-from ds_loongforge.ops.numerics import moe_permute_checks, moe_unpermute_checks, random_routing
+from ds_loongforge.ops import (expert_routing, moe_permute, moe_permute_reference, moe_unpermute,
+                               moe_unpermute_reference, routing_indices, routing_indices_reference)
+from ds_loongforge.ops.moe_dispatch import _BUILDERS, MAX_KERNEL_EXPERTS
+from ds_loongforge.ops.numerics import moe_permute_checks, moe_unpermute_checks, random_routing, routing_checks
 from tests._params import DTYPES, IMPLS, assert_checks
 
 # the reference too: its fp32 accumulation with one rounding is part of the op's contract
@@ -56,6 +56,62 @@ def test_routing_indices_are_a_stable_expert_major_order(device, tokens, k, expe
     assert torch.equal(order_P[slot_TK.reshape(-1)], torch.arange(tokens * k, device=device)), "slot = order^-1"
 
 
+ROUTING_SHAPES = [  # (T, K, E): the counting sort's blocks hold 1024 pairs and its warps 32
+    pytest.param(0, 2, 4, id="no_pairs"),
+    pytest.param(1, 1, 1, id="one_pair"),
+    pytest.param(33, 1, 8, id="one_warp_and_one_lane"),
+    pytest.param(1024, 1, 64, id="one_full_block"),
+    pytest.param(3001, 8, 64, id="24_blocks_ragged_tail"),
+    pytest.param(2050, 2, 1, id="one_expert_across_blocks"),
+    pytest.param(700, 8, 3000, id="3000_experts_several_per_scan_thread"),
+    pytest.param(257, 4, MAX_KERNEL_EXPERTS, id="the_most_experts_on_cuda"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tokens,k,experts", ROUTING_SHAPES)
+def test_routing_kernel_equals_the_stable_sort(impl, tokens, k, experts):
+    device = _device(impl)
+    for check in routing_checks(tokens, k, experts, device, impl):
+        assert check.passed, check.describe()
+    ids_TK, _ = random_routing(tokens, k, experts, device)
+    got, ref = expert_routing(ids_TK, experts, impl=impl), routing_indices_reference(ids_TK, experts)
+    for name, a, b in zip(got._fields, got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got.offsets_E.dtype == torch.int32 and torch.equal(got.offsets_E.long(), got.tokens_per_expert_E.cumsum(0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_routing_kernel_takes_int32_and_strided_ids(impl):
+    device = _device(impl)
+    ids = torch.randint(0, 16, (300, 6), device=device)[:, ::2]  # [300, 3], row stride 6
+    ref = routing_indices_reference(ids, 16)
+    for variant in (ids, ids.int()):
+        got = expert_routing(variant, 16, impl=impl)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.gpu
+def test_routing_kernel_above_its_expert_limit_takes_the_reference():
+    ids = torch.randint(0, MAX_KERNEL_EXPERTS + 1, (64, 2), device="cuda")
+    got, ref = expert_routing(ids, MAX_KERNEL_EXPERTS + 1), routing_indices_reference(ids, MAX_KERNEL_EXPERTS + 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    with pytest.raises(RuntimeError, match=r"num_experts = 8193 is above the CUDA kernel's 8192"):
+        expert_routing(ids, MAX_KERNEL_EXPERTS + 1, impl="cuda")
+
+
+@pytest.mark.gpu
+def test_routing_kernel_puts_out_of_range_ids_after_every_expert():
+    """On CUDA ids are not range-checked (that would sync): a bad id must still get a row of its own, after the
+    valid pairs, and be counted nowhere, so the permute writes no row twice and the valid experts are intact."""
+    ids = torch.tensor([[1, 5], [-1, 0], [2, 1], [4, 3]], device="cuda")  # E = 4: 5, -1 and 4 are out of range
+    got = expert_routing(ids, 4, impl="cuda")
+    assert got.tokens_per_expert_E.tolist() == [1, 2, 1, 1] and got.offsets_E.tolist() == [1, 3, 4, 5]
+    assert sorted(got.slot_TK.reshape(-1).tolist()) == list(range(8))
+    assert got.order_P[:5].tolist() == [3, 0, 5, 4, 7]  # expert-major, pair order within an expert
+    assert sorted(got.order_P[5:].tolist()) == [1, 2, 6]
+
+
 def test_routing_indices_rejects_bad_ids():
     with pytest.raises(ValueError, match=r"expert ids must be in \[0, 4\), got ids from 0 to 4"):
         routing_indices(torch.tensor([[0, 4]]), 4)
@@ -67,6 +123,11 @@ def test_routing_indices_rejects_bad_ids():
         routing_indices(torch.zeros(4, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
         routing_indices(torch.zeros(2, 2, dtype=torch.int64), 0)
+    kernel = _BUILDERS["cpu"]().load()  # the binding's own checks, for callers that skip the Python op
+    with pytest.raises(RuntimeError, match=r"ids_TK\[1, 0\] = 7 is outside \[0, num_experts\) = \[0, 4\)"):
+        kernel.routing_indices(torch.tensor([[0, 1], [7, 2]]), 4)
+    with pytest.raises(RuntimeError, match="ids_TK must be contiguous"):
+        kernel.routing_indices(torch.zeros(4, 4, dtype=torch.int64)[:, ::2], 4)
 
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)

@@ -1,0 +1,147 @@
+// MoE routing indices on CUDA: the stable counting sort of the P = T*K token-expert pairs by expert.
+// Legend: T tokens, K experts per token, P pairs (pair i = t*K + j is token t's j-th expert), E experts.
+//
+//   slot_TK[i]     = start[e(i)] + #{pairs i' < i with e(i') = e(i)}   (expert-major position of pair i)
+//   order_P[slot]  = i                                                  (the inverse permutation)
+//   counts_E[e]    = #{pairs with e(i) = e}, offsets_E[e] = counts_E[0] + ... + counts_E[e] (int32, for
+//                    grouped GEMM), start[e] = offsets_E[e] - counts_E[e]
+//
+// This is exactly torch.sort(ids, stable=True)'s order, in three kernels where the sort, the inverse
+// scatter, the searchsorted counts and the cumsum took about ten ops (each a host-side launch: the forward
+// of an e2e step was bound by how fast the host issued them). No host sync, no order-dependent atomics:
+//   1. count: each block of kChunk consecutive pairs histograms its experts in shared memory (integer
+//      atomics, whose result does not depend on their order) into hist[block][e];
+//   2. scan (one block): counts_E and offsets_E, and hist[block][e] becomes the expert-major position of the
+//      block's first pair of expert e (pairs of e in earlier blocks come first: stability across blocks);
+//   3. rank: one warp per block walks its pairs in order, 32 at a time; lanes holding the same expert find
+//      each other with __match_any_sync and take consecutive positions in lane order (stability within the
+//      block), and the lowest of them advances that expert's position for the next 32.
+// Ids outside [0, E) go to an extra bucket after every expert: they get positions past offsets_E[E - 1] (so
+// slot_TK stays a permutation and no row is written twice), and counts_E does not count them. The CPU build
+// and the Python op reject them instead (checking here would cost a host sync).
+// Preconditions (checked by the binding): ids_TK contiguous int64 on this device, P < 2^31, E <= kMaxExperts.
+#include "lf_cuda_utils.cuh"
+#include "moe_dispatch_checks.h"
+
+namespace loongforge {
+namespace {
+
+constexpr int kChunk = 1024;        // pairs per block in the count and rank kernels
+constexpr int kCountThreads = 256;
+constexpr int kScanThreads = 1024;
+
+__device__ __forceinline__ int expert_bucket(int64_t id, int experts) {
+    return (id >= 0 && id < experts) ? static_cast<int>(id) : experts;
+}
+
+__global__ void __launch_bounds__(kCountThreads)
+    routing_count_kernel(const int64_t* __restrict__ ids, int64_t pairs, int experts, int* __restrict__ hist) {
+    extern __shared__ int local[];  // experts + 1 buckets
+    const int buckets = experts + 1;
+    for (int e = threadIdx.x; e < buckets; e += blockDim.x) local[e] = 0;
+    __syncthreads();
+    const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+    const int64_t end = min(pairs, begin + kChunk);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) atomicAdd(&local[expert_bucket(ids[i], experts)], 1);
+    __syncthreads();
+    int* out = hist + static_cast<int64_t>(blockIdx.x) * buckets;
+    for (int e = threadIdx.x; e < buckets; e += blockDim.x) out[e] = local[e];
+}
+
+// One block. Thread t owns the buckets [t * per, (t + 1) * per): their totals, an exclusive scan of the
+// threads' sums, then each bucket's start and every block's position within it, in block order.
+__global__ void __launch_bounds__(kScanThreads)
+    routing_scan_kernel(int* __restrict__ hist, int blocks, int experts, int64_t* __restrict__ counts,
+                        int* __restrict__ offsets) {
+    __shared__ int64_t sums[kScanThreads];
+    const int buckets = experts + 1;
+    const int per = (buckets + kScanThreads - 1) / kScanThreads;
+    const int lo = min(buckets, static_cast<int>(threadIdx.x) * per);
+    const int hi = min(buckets, lo + per);
+    int64_t mine = 0;
+    for (int e = lo; e < hi; ++e) {
+        int64_t total = 0;
+        for (int b = 0; b < blocks; ++b) total += hist[static_cast<int64_t>(b) * buckets + e];
+        if (e < experts) counts[e] = total;
+        mine += total;
+    }
+    sums[threadIdx.x] = mine;
+    __syncthreads();
+    for (int step = 1; step < kScanThreads; step <<= 1) {  // inclusive Hillis-Steele scan
+        const int64_t add = threadIdx.x >= step ? sums[threadIdx.x - step] : 0;
+        __syncthreads();
+        sums[threadIdx.x] += add;
+        __syncthreads();
+    }
+    int64_t start = sums[threadIdx.x] - mine;
+    for (int e = lo; e < hi; ++e) {
+        for (int b = 0; b < blocks; ++b) {
+            int* cell = hist + static_cast<int64_t>(b) * buckets + e;
+            const int count = *cell;
+            *cell = static_cast<int>(start);
+            start += count;
+        }
+        if (e < experts) offsets[e] = static_cast<int>(start);
+    }
+}
+
+__global__ void __launch_bounds__(32)
+    routing_rank_kernel(const int64_t* __restrict__ ids, int64_t pairs, int experts, const int* __restrict__ hist,
+                        int64_t* __restrict__ slot, int64_t* __restrict__ order) {
+    extern __shared__ int next[];  // experts + 1: the next free position of each bucket for this block
+    const int buckets = experts + 1;
+    const int lane = threadIdx.x;
+    const int* base = hist + static_cast<int64_t>(blockIdx.x) * buckets;
+    for (int e = lane; e < buckets; e += 32) next[e] = base[e];
+    __syncwarp();
+    const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+    const int64_t end = min(pairs, begin + kChunk);
+    const unsigned below = (1u << lane) - 1u;
+    for (int64_t i0 = begin; i0 < end; i0 += 32) {  // the same trip count for every lane
+        const int64_t i = i0 + lane;
+        const bool valid = i < end;
+        const unsigned active = __ballot_sync(0xffffffffu, valid);
+        int e = 0;
+        unsigned peers = 0;
+        int pos = 0;
+        if (valid) {
+            e = expert_bucket(ids[i], experts);
+            peers = __match_any_sync(active, e);
+            pos = next[e] + __popc(peers & below);
+            slot[i] = pos;
+            order[pos] = i;
+        }
+        __syncwarp();  // every lane has read next[e] before the lowest lane of its group moves it
+        if (valid && lane == __ffs(peers) - 1) next[e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+}  // namespace
+
+void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
+                              const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E) {
+    const int64_t pairs = ids_TK.numel();
+    const int experts = static_cast<int>(num_experts);
+    const c10::cuda::CUDAGuard guard(ids_TK.device());
+    if (pairs == 0) {
+        counts_E.zero_();
+        offsets_E.zero_();
+        return;
+    }
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int blocks = static_cast<int>((pairs + kChunk - 1) / kChunk);
+    const size_t shared = static_cast<size_t>(experts + 1) * sizeof(int);
+    auto hist = at::empty({static_cast<int64_t>(blocks) * (experts + 1)}, ids_TK.options().dtype(at::kInt));
+    const int64_t* ids = ids_TK.data_ptr<int64_t>();
+    routing_count_kernel<<<blocks, kCountThreads, shared, stream>>>(ids, pairs, experts, hist.data_ptr<int>());
+    LF_CUDA_CHECK_LAUNCH();
+    routing_scan_kernel<<<1, kScanThreads, 0, stream>>>(hist.data_ptr<int>(), blocks, experts,
+                                                        counts_E.data_ptr<int64_t>(), offsets_E.data_ptr<int>());
+    LF_CUDA_CHECK_LAUNCH();
+    routing_rank_kernel<<<blocks, 32, shared, stream>>>(ids, pairs, experts, hist.data_ptr<int>(),
+                                                        slot_TK.data_ptr<int64_t>(), order_P.data_ptr<int64_t>());
+    LF_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace loongforge
