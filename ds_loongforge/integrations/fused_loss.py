@@ -74,7 +74,6 @@ class _DeferredLMHead(nn.Linear):
 class _ForwardSpec:
     positional: tuple[str, ...]  # parameter names after self that can be passed positionally
     adds_aux: bool               # the forward adds router_aux_loss_coef * aux_loss to the loss
-    takes_use_cache: bool = False  # the forward has a use_cache parameter
 
 
 def uses_fused_loss(model: nn.Module) -> bool:
@@ -212,8 +211,7 @@ def _forward_spec(cls: type) -> _ForwardSpec | str:
                        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
     if "labels" not in positional:
         return f"{where} has no labels parameter"
-    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds),
-                        takes_use_cache=any(p.name == "use_cache" for p in params))
+    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds))
 
 
 def _is_loss_call(value: ast.expr) -> bool:
@@ -292,14 +290,12 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
         return_dict = True if return_dict is None else return_dict
     head = model.lm_head
     head._loongforge_defer = True
-    # a training call that does not ask for a KV cache gets none: the model would otherwise build a DynamicCache
-    # and copy every layer's keys and values into it (host work in each attention call, device copies, memory held
-    # until the output is dropped) for nothing a loss needs
-    call = {**kwargs, "labels": None, "return_dict": True}
-    if spec.takes_use_cache and call.get("use_cache") is None:
-        call["use_cache"] = False
+    # use_cache stays as the caller set it: transformers (5.17-5.24) builds a KV cache in a training call by
+    # default, which the loss does not need, but without one its mask code syncs with the device in every forward
+    # (find_packed_sequence_indices' .all() when no attention mask is given, the SDPA mask's padding_mask.all()
+    # when one is): on the H200 a forward without the cache waited 29 ms per e2e mixtral step
     try:
-        out = original(**call)
+        out = original(**{**kwargs, "labels": None, "return_dict": True})
     finally:
         hidden = head.__dict__.pop("_loongforge_hidden", None)
         head._loongforge_defer = False
