@@ -251,6 +251,10 @@ def _fused_norm_worker(rank, world, port, stages, seed, out_dir):
 
 
 ADAM_LR = 0.01
+# Adam moves each entry by about lr * g / (|g| + eps): for a gradient entry within a few eps of 0 the step swings
+# with the last bits of g, which expert parallelism's reduction order changes (seed 492477617: 1 entry of 2048 off
+# by 2.2e-6, the same before and after the routing kernel). A wrong norm, moment or update is off by O(lr).
+ADAM_PARAM_TOL = {"rtol": 1e-5, "atol": 1e-3 * ADAM_LR}
 
 
 def test_fused_adamw_clip_global_norm_under_expert_parallelism(tmp_path):
@@ -275,7 +279,7 @@ def test_fused_adamw_clip_global_norm_under_expert_parallelism(tmp_path):
             assert results[stage]["norms"] == pytest.approx(want_norms, rel=1e-5), f"{what}, rank {rank}"
             for step, params in enumerate(results[stage]["params"]):
                 _assert_rank_matches_reference(params, want_params[step], rank, world, f"{what}, step {step}",
-                                               {"rtol": 1e-5, "atol": 1e-6})
+                                               ADAM_PARAM_TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------
