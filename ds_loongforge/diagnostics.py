@@ -63,7 +63,9 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
                     annotations: Iterable[str] | None = None) -> dict[str, Any]:
     """Summarise the CUDA kernels of a finished ``torch.profiler.profile`` that ran ``iters`` iterations:
     per-iteration milliseconds throughout. ``annotations``: the ``record_function`` names whose GPU ranges
-    (the profiler's ``gpu_user_annotation`` events) split the time; by default every such name seen."""
+    (the profiler's ``gpu_user_annotation`` events) split the time; by default every such name seen. A range's GPU
+    span covers the kernels its own thread launched: the backward's, which autograd's device thread launches while
+    the main thread waits in its "backward" range, fall outside every range and are counted under "(none)"."""
     from torch.autograd import DeviceType
 
     events = list(prof.events())

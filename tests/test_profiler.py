@@ -345,12 +345,18 @@ class _HostOrDeviceBoundEngine(_CudaEngine):
     """forward sleeps 30 ms on the host with nothing queued (bound by the host); backward queues ~30 ms of GPU
     work and returns at once (bound by the device); step waits for the device, so each step starts idle."""
 
+    def __init__(self):
+        super().__init__()
+        # cycles at the SM clock (MHz), read once: torch.cuda.clock_rate() asks NVML, which took 9 ms per call on
+        # the H200, host time that would land in the phase meant to have almost none
+        self.cycles_30ms = int(30e-3 * torch.cuda.clock_rate() * 1e6)
+
     def forward(self, x):
         time.sleep(0.030)
         return x
 
     def backward(self, loss):
-        torch.cuda._sleep(int(30e-3 * torch.cuda.clock_rate() * 1e6))  # cycles at the SM clock (MHz)
+        torch.cuda._sleep(self.cycles_30ms)
 
     def step(self):
         torch.cuda.synchronize()

@@ -215,7 +215,8 @@ def test_memory_phases_on_cuda(tmp_path):
 @pytest.mark.gpu
 def test_kernel_profile_and_memory_snapshot_on_cuda(tmp_path):
     """--kernel-profile splits the GPU kernel time of the profiled steps by phase and category (GEMMs inside the
-    forward and backward, the optimizer step's own kernels inside "step"); --memory-snapshot replays step 2's
+    forward, and in the backward, which autograd's thread launches outside the main thread's ranges; the optimizer
+    step's own kernels inside "step"); --memory-snapshot replays step 2's
     allocations to their peak, which matches the peak the CUDA counters saw within the allocator's rounding."""
     got = _train_gpu("--deepspeed_config", "ds_configs/1gpu_zero2_bf16.json", "--steps", "4", "--kernel-profile",
                      "2", "--memory-snapshot", "--memory-phases")
@@ -227,7 +228,10 @@ def test_kernel_profile_and_memory_snapshot_on_cuda(tmp_path):
     # left in "loss" is the scaling of the family's balancing term (a few scalar kernels), no GEMM or reduction
     assert got["fused_loss"] and not {"gemm", "reduction"} & set(ranges.get("loss", {})), ranges.get("loss")
     assert {"forward", "backward", "step"} <= set(ranges), sorted(ranges)
-    assert ranges["forward"].get("gemm", 0) > 0 and ranges["backward"].get("gemm", 0) > 0, ranges
+    # the backward's kernels are launched by autograd's device thread, outside the main thread's "backward" range:
+    # kernel_timeline files them under "(none)" (on the H200 at df0b48c the range held only the loss gradient's fill)
+    backward_gemm = ranges["backward"].get("gemm", 0) + ranges.get("(none)", {}).get("gemm", 0)
+    assert ranges["forward"].get("gemm", 0) > 0 and backward_gemm > 0, ranges
     assert abs(sum(v["total"] for v in ranges.values()) - sum(k["category_ms_per_iter"].values())) < 1e-2
     m = got["memory_at_peak"]
     assert m["events"] > 0 and m["peak_above_baseline_gib"] > 0 and m["live_at_peak"]
