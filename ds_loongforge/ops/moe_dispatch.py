@@ -78,6 +78,10 @@ def routing_indices_reference(ids_TK: torch.Tensor, num_experts: int) -> Routing
     """Plain PyTorch: a stable sort of the pairs by expert, its inverse, the counts from the run boundaries of the
     sorted ids (torch.bincount would read the largest id back to the host on CUDA), their int32 cumsum."""
     _check_routing_args(ids_TK, num_experts)
+    return _sorted_routing(ids_TK, num_experts)
+
+
+def _sorted_routing(ids_TK: torch.Tensor, num_experts: int) -> Routing:
     ids_P = ids_TK.reshape(-1)
     sorted_P, order_P = torch.sort(ids_P, stable=True)  # the sorted ids come with the order: no gather
     slot_P = torch.empty_like(order_P)
@@ -97,15 +101,16 @@ def expert_routing(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto") -
     the reference takes about ten ops; "auto" falls back to the reference where the kernel cannot be built or
     takes no such input (more than 8192 experts on CUDA). On the CPU the ids are checked to lie in
     [0, num_experts). On CUDA they are not (it would cost a host sync): an out-of-range id then gets a position
-    after every expert's rows and is counted nowhere. No step here syncs with the host or uses
-    order-dependent atomics: the result is deterministic and the same on every path.
+    after every expert's rows and is counted nowhere (the reference's sort puts a negative one first). No step
+    here syncs with the host or uses order-dependent atomics: for ids in range the result is deterministic and the
+    same on every path.
     """
     _check_routing_args(ids_TK, num_experts)
     kernel = None
     if not (ids_TK.device.type == "cuda" and num_experts > MAX_KERNEL_EXPERTS and impl == "auto"):
         kernel = kernel_for("routing_indices", _BUILDERS, ids_TK.device.type, impl)
     if kernel is None or ids_TK.numel() >= 2**31 - 1:
-        return routing_indices_reference(ids_TK, num_experts)
+        return _sorted_routing(ids_TK, num_experts)
     return Routing(*kernel.routing_indices(ids_TK.long().contiguous(), num_experts))
 
 
