@@ -372,13 +372,14 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
             lines.append(f"| {r.variant} | " + " | ".join(cells) + " |")
         hosted = [r for r in profiled if r.train_summary["profile"].get("host_ms_per_step")]
         if hosted:
+            issued = [k for k in phases if k != "idle"]  # idle is the time in no phase: nothing issues it
             lines += ["", "Host time per step in each phase (the Python thread issuing it, ms; above the device's ms "
                       "the device waited for the host):", "",
-                      "| variant | " + " | ".join(phases[:-1]) + " |", "|---|" + "---:|" * (len(phases) - 1)]
+                      "| variant | " + " | ".join(issued) + " |", "|---|" + "---:|" * len(issued)]
             for r in hosted:
                 host = r.train_summary["profile"]["host_ms_per_step"]
-                lines.append(f"| {r.variant} | " + " | ".join(f"{host.get(k, float('nan')):.1f}"
-                                                             for k in phases[:-1]) + " |")
+                lines.append(f"| {r.variant} | " + " | ".join(f"{host.get(k, float('nan')):.1f}" for k in issued)
+                             + " |")
     phased = [r for r in results if r.status == "ok" and r.train_summary.get("memory_phases")]
     if phased:
         lines += ["", "Memory by phase of step 2 (train.py --memory-phases; GiB peak within the phase / allocated at "

@@ -63,7 +63,6 @@ _lock = _patches.lock
 _failed: dict[str, str] = {}  # fused function's label -> why it is no longer called
 
 
-@functools.lru_cache(maxsize=None)  # one fused callable per process: every patched family shares it
 def load_liger() -> tuple[Callable | None, str]:
     """(Liger's Triton RoPE as ``fused(q, k, cos, sin)``, ``"liger-kernel X.Y.Z"``), or (None, why it cannot be
     used). Where ``liger_kernel.ops.rope.LigerRopeFunction`` exists it is applied directly: from 0.8 Liger's
@@ -74,7 +73,7 @@ def load_liger() -> tuple[Callable | None, str]:
         fused = importlib.import_module(LIGER_MODULE).liger_rotary_pos_emb
         function = getattr(importlib.import_module(LIGER_OPS_MODULE), "LigerRopeFunction", None)
         if function is not None:
-            fused = functools.partial(_apply_rope_function, function.apply)
+            fused = function.apply  # (q, k, cos, sin): its position_ids, unsqueeze_dim and rotary_dim keep defaults
     except ImportError as err:
         if (err.name or "").split(".")[0] == "liger_kernel":
             return None, f"{LIGER_DIST} is not installed (pip install {LIGER_DIST})"
@@ -86,10 +85,6 @@ def load_liger() -> tuple[Callable | None, str]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown version"
     return fused, f"{LIGER_DIST} {version}"
-
-
-def _apply_rope_function(apply: Callable, q, k, cos, sin):
-    return apply(q, k, cos, sin)
 
 
 def cuda_visible() -> bool:
