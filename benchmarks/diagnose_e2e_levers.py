@@ -1,0 +1,147 @@
+"""Two device-side levers for the e2e step (issue 5), each measured before either is built. The step is the
+GPU's now (NOTES: "a step that is now the GPU's"), so only device time counts:
+
+1. overlap: the fused optimizer step (memory-bound, 13.8 ms of the mixtral step) on a side stream while the next
+   forward's GEMMs run. Does the H200 run the two concurrently (both take about the longer one) or one after the
+   other (about the sum)? Measured whole (one step beside one forward) and layered (one optimizer per decoder
+   layer, in forward order on the side stream, each layer's forward waiting on its own update's event).
+2. graph: the injected model's forward + backward captured in one CUDA graph and replayed, next to eager with
+   the host far ahead: what the ~1200 launches and the gaps between them cost.
+
+The model is launch/train.py's preset with LoongForge injected (bf16, fused loss), without DeepSpeed; the timings
+are device times (benchmarks/harness.Timer with a head start long enough for the host to queue a whole step).
+
+    python -m benchmarks.diagnose_e2e_levers [--model mixtral] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import Timer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+
+
+def build(model_name: str, seq_len: int, micro_batch: int):
+    import bench_e2e
+    import train
+
+    from ds_loongforge.integrations.inject import inject
+
+    torch.manual_seed(0)
+    model = train.build_model(model_name, 32000, seq_len)
+    inject(model, bench_e2e.make_ds_config(True, micro_batch, "text"))
+    model = model.to(device="cuda", dtype=torch.bfloat16).train()
+    ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device="cuda")
+    return model, ids
+
+
+def overlap(model, ids, timer) -> dict:
+    from ds_loongforge.optim import FusedAdamWClip
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    model(input_ids=ids, labels=ids).loss.backward()
+    whole = FusedAdamWClip(params, lr=1e-4, weight_decay=0.01, max_norm=1.0)
+    whole.step()
+    decoder = model.model.layers
+    groups = [list(model.model.embed_tokens.parameters())] + [list(layer.parameters()) for layer in decoder]
+    seen = {id(p) for g in groups for p in g}
+    groups.append([p for p in params if id(p) not in seen])  # final norm, lm_head
+    layered = [FusedAdamWClip(g, lr=1e-4, weight_decay=0.01, max_norm=1.0) for g in groups]
+    for opt in layered:
+        opt.step()
+
+    def forward():
+        return model(input_ids=ids, labels=ids).loss
+
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+
+    def both_whole():
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            whole.step()
+        forward()
+        main.wait_stream(side)
+
+    modules = [model.model.embed_tokens, *decoder, model.lm_head]
+    events = [torch.cuda.Event() for _ in modules]
+    handles = [m.register_forward_pre_hook(lambda _m, _a, e=e: main.wait_event(e)) for m, e in zip(modules, events)]
+
+    def both_layered():
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for opt, event in zip(layered, events):
+                opt.step()
+                event.record(side)
+        forward()
+        main.wait_stream(side)
+
+    # the hooks wait on recorded events only inside both_layered; outside it they wait on events already passed
+    result = {"forward_ms": timer(forward)[0], "step_ms": timer(whole.step)[0],
+              "layered_steps_ms": timer(lambda: [opt.step() for opt in layered])[0]}
+    result["concurrent_whole_ms"] = timer(both_whole)[0]
+    result["concurrent_layered_ms"] = timer(both_layered)[0]
+    for h in handles:
+        h.remove()
+    result["sum_ms"] = result["forward_ms"] + result["step_ms"]
+    result["saved_whole_ms"] = result["sum_ms"] - result["concurrent_whole_ms"]
+    result["saved_layered_ms"] = result["sum_ms"] - result["concurrent_layered_ms"]
+    del whole, layered
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return result
+
+
+def graph(model, ids, timer) -> dict:
+    def fwd_bwd():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    eager_ms = timer(fwd_bwd)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fwd_bwd()
+    except Exception as err:  # a host sync or host-dependent shape in the step makes capture fail
+        return {"eager_ms": eager_ms, "graph": f"capture failed: {type(err).__name__}: {str(err)[:400]}"}
+    graph_ms = timer(g.replay)[0]
+    return {"eager_ms": eager_ms, "graph_ms": graph_ms, "between_kernels_ms": eager_ms - graph_ms}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mixtral")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model, ids = build(args.model, args.seq_len, args.micro_batch)
+    # ~100 ms of head start (at ~2 GHz): the host queues a whole step before the GPU reaches the start event
+    timer = Timer(warmup=3, repeats=args.repeats, head_start_cycles=200_000_000)
+    result = {"model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
+    for name, fn in (("overlap", overlap), ("graph", graph)):
+        try:
+            result[name] = fn(model, ids, timer)
+        except Exception as err:  # one lever's failure still reports the other
+            result[name] = f"failed: {type(err).__name__}: {str(err)[:400]}"
+        print(name, json.dumps(result[name], indent=1), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"diagnose_e2e_levers_{args.model}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
