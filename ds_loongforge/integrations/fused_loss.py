@@ -27,7 +27,11 @@ with nothing else assigned to ``logits`` (no soft-capping or scaling) and, for t
 ``loss += self.router_aux_loss_coef * aux_loss.to(loss.device)``. A class that differs is not patched, and
 ``install_fused_loss`` returns the reason.
 
-The effect a caller sees: a training forward with labels returns ``logits=None``. Code that needs the logits of a
+A training call that would have built transformers' DynamicCache (use_cache on, no cache passed) gets one whose
+layers keep nothing (``_training_cache``): the same mask and attention, without copying every layer's keys and
+values into a cache the loss never reads; the output's cache is then None.
+
+The effect a caller sees: a training forward with labels returns ``logits=None`` (and no cache, as above). Code that needs the logits of a
 training step must call the model without ``labels`` (and compute its own loss), or switch
 ``fused_kernels.linear_cross_entropy`` off.
 """
@@ -74,6 +78,7 @@ class _DeferredLMHead(nn.Linear):
 class _ForwardSpec:
     positional: tuple[str, ...]  # parameter names after self that can be passed positionally
     adds_aux: bool               # the forward adds router_aux_loss_coef * aux_loss to the loss
+    cache_arg: str | None = None  # its KV-cache parameter: "cache" (transformers >= 5.24), "past_key_values"
 
 
 def uses_fused_loss(model: nn.Module) -> bool:
@@ -211,7 +216,61 @@ def _forward_spec(cls: type) -> _ForwardSpec | str:
                        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
     if "labels" not in positional:
         return f"{where} has no labels parameter"
-    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds))
+    names = {p.name for p in params}
+    cache_arg = next((n for n in ("cache", "past_key_values") if n in names), None)
+    return _ForwardSpec(positional=positional, adds_aux=bool(aux_adds), cache_arg=cache_arg)
+
+
+@functools.cache
+def _unstored_layer_class() -> tuple[type, type]:
+    from transformers.cache_utils import DynamicLayer
+
+    class UnstoredKVLayer(DynamicLayer):
+        """A layer of the KV cache a training call gets: it returns this call's keys and values and keeps none,
+        so its length stays 0 (what an empty DynamicLayer reports before and during the one forward)."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return key_states, value_states
+
+    return DynamicLayer, UnstoredKVLayer
+
+
+def _training_cache(model: nn.Module, spec: _ForwardSpec, kwargs: dict):
+    """The cache to pass to a fused training call in place of the DynamicCache transformers would build, or None
+    to leave the call as it is.
+
+    transformers (5.17-5.24) builds a DynamicCache in a training forward whenever use_cache is on (the config's
+    default), and its mask code needs one: without a cache it reads a device value in every forward
+    (find_packed_sequence_indices' ``.all()`` when no attention mask is given, the SDPA mask's
+    ``padding_mask.all()`` when one is; on the H200 that made the e2e mixtral forward wait 29 ms per step). But
+    filling it costs a copy of every layer's keys and values (``torch.cat`` onto an empty tensor: 16 copies,
+    ~0.9 ms per e2e step) that the loss never reads. So where transformers would build one, the call gets the
+    same DynamicCache with its layers re-classed to keep nothing: the mask, positions and attention are the ones
+    an empty cache gives. Only where every layer is a plain DynamicLayer (no sliding window or other kinds), the
+    caller passed no cache of its own, and gradient checkpointing does not turn the cache off."""
+    if spec.cache_arg is None or kwargs.get(spec.cache_arg) is not None:
+        return None
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(model, "config", None), "use_cache", False)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.24's name
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if not use_cache or checkpointing:
+        return None
+    from transformers.cache_utils import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except (TypeError, ValueError, AttributeError):  # a config DynamicCache cannot lay out: as transformers does
+        return None
+    plain, unstored = _unstored_layer_class()
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not plain for layer in layers):
+        return None
+    for layer in layers:
+        layer.__class__ = unstored
+    return cache
 
 
 def _is_loss_call(value: ast.expr) -> bool:
@@ -289,13 +348,13 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
         return_dict = getattr(getattr(model, "config", None), "return_dict", True)
         return_dict = True if return_dict is None else return_dict
     head = model.lm_head
+    call = {**kwargs, "labels": None, "return_dict": True}
+    cache = _training_cache(model, spec, kwargs)
+    if cache is not None:
+        call[spec.cache_arg] = cache
     head._loongforge_defer = True
-    # use_cache stays as the caller set it: transformers (5.17-5.24) builds a KV cache in a training call by
-    # default, which the loss does not need, but without one its mask code syncs with the device in every forward
-    # (find_packed_sequence_indices' .all() when no attention mask is given, the SDPA mask's padding_mask.all()
-    # when one is): on the H200 a forward without the cache waited 29 ms per e2e mixtral step
     try:
-        out = original(**{**kwargs, "labels": None, "return_dict": True})
+        out = original(**call)
     finally:
         hidden = head.__dict__.pop("_loongforge_hidden", None)
         head._loongforge_defer = False
@@ -316,4 +375,9 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
     if spec.adds_aux and aux_loss is not None:
         loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
     out = dataclasses.replace(out, loss=loss, logits=None)
+    if cache is not None:  # it holds nothing: no cache rather than an empty one that looks filled
+        field = next((f.name for f in dataclasses.fields(out) if f.name in ("cache", "past_key_values")
+                      and getattr(out, f.name) is cache), None)
+        if field is not None:
+            out = dataclasses.replace(out, **{field: None})
     return out if return_dict else out.to_tuple()

@@ -93,6 +93,44 @@ def test_other_calls_are_the_stock_forward_bitwise(family):
                        fused.generate(ids[:1, :4], max_new_tokens=3, do_sample=False))
 
 
+class _CatCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.cats = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.cats += func is torch.ops.aten.cat.default
+        return func(*args, **(kwargs or {}))
+
+
+def _cats(model, **kwargs) -> tuple[int, object]:
+    with _CatCounter() as counter:
+        out = model(**kwargs)
+    return counter.cats, out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama", "deepseek_v3"])
+def test_training_call_fills_no_kv_cache(family):
+    """Where transformers would build a DynamicCache, the fused call's cache keeps nothing (no key/value copies)
+    and the output holds no cache; a cache the caller passes, or use_cache=False, is left as the caller chose."""
+    stock, fused = pair(family)
+    ids, labels = batch()
+    layers = fused.config.num_hidden_layers
+    stock_cats, ref = _cats(stock, input_ids=ids, labels=labels)
+    fused_cats, out = _cats(fused, input_ids=ids, labels=labels)
+    assert ref.past_key_values is not None and ref.past_key_values.get_seq_length() == ids.shape[1]
+    assert out.past_key_values is None
+    assert stock_cats - fused_cats == 2 * layers, (stock_cats, fused_cats)  # one key and one value copy per layer
+    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
+    mine = transformers.DynamicCache(config=fused.config)
+    out = fused(input_ids=ids, labels=labels, **{fused_loss._forward_spec(type(fused)).cache_arg: mine})
+    assert out.past_key_values is mine and mine.get_seq_length() == ids.shape[1]
+    assert out.past_key_values.layers[0].keys.shape[-2] == ids.shape[1]
+    off_cats, out = _cats(fused, input_ids=ids, labels=labels, use_cache=False)
+    assert out.past_key_values is None and off_cats >= fused_cats  # (+1: the no-cache mask's packing check)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
+
+
 def test_num_items_in_batch_return_dict_and_positional_labels():
     stock, fused = pair("qwen3_moe")
     ids, labels = batch()
@@ -100,7 +138,7 @@ def test_num_items_in_batch_return_dict_and_positional_labels():
         assert_same_training_step(stock, fused, input_ids=ids, labels=labels, num_items_in_batch=num_items)
     out = fused(input_ids=ids, labels=labels, return_dict=False)
     ref = stock(input_ids=ids, labels=labels, return_dict=False)
-    assert isinstance(out, tuple) and len(out) == len(ref) - 1  # no logits
+    assert isinstance(out, tuple) and len(out) == len(ref) - 2  # no logits, no (empty) KV cache
     torch.testing.assert_close(out[0], ref[0], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(fused(ids, None, None, None, None, labels).loss, ref[0], rtol=RTOL, atol=ATOL)
 
