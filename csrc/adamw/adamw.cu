@@ -102,7 +102,9 @@ template <typename P, typename G, bool kHasMaster>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restrict__ table, TableHeader h,
                                                          const float* __restrict__ stats,
                                                          const float* __restrict__ inv_scale_dev, Hyper hp) {
-    constexpr int V = 4;  // 16 bytes of every fp32 stream; 8 of a bf16/fp16 one
+    // 32 bytes of every fp32 stream (two 128-bit accesses) and 16 of a bf16/fp16 one per thread and iteration:
+    // with V = 4 (8-byte bf16 accesses) the bf16 + fp32-master update ran at ~94% of copy bandwidth on the H200
+    constexpr int V = 8;
     if (stats[1] != 0.f) return;
     const float scale = grad_scale(hp, stats[0], inv_scale_dev != nullptr ? *inv_scale_dev : 1.f);
     for (int64_t c = blockIdx.x; c < h.n_chunks; c += gridDim.x) {

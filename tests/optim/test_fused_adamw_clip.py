@@ -18,9 +18,10 @@ IMPLS = [pytest.param("cpu", id="cpu"), pytest.param("reference", id="reference"
 
 SHAPES = [
     (300, 230),   # 69000 elements: two chunks of 64 Ki, the second partial
-    (7,),         # shorter than one 16-byte vector
+    (7,),         # shorter than one 8-element vector
     (33, 65),     # odd size: vector body + scalar tail
     (1,),         # a scalar-like param
+    (3, 4),       # one 8-element vector and a 4-element tail (4-element vectors would have no tail)
 ]
 STEPS = 20
 
@@ -149,7 +150,7 @@ def test_param_groups_with_different_hyper_parameters_and_grads_none(impl):
     groups = [dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
               dict(lr=1e-3, betas=(0.5, 0.9), eps=1e-10, weight_decay=0.3),   # beta1 0.5: torch's other lerp form
               dict(lr=5e-3)]
-    split = [[0], [1, 2], [3]]
+    split = [[0], [1, 2], [3, 4]]
     opt = FusedAdamWClip([dict(params=[ours[i] for i in idx], **h) for idx, h in zip(split, groups)],
                          lr=1e-2, weight_decay=0.05, max_norm=0.5, impl=impl)
     ref_opt = torch.optim.AdamW([dict(params=[ref[i] for i in idx], **h) for idx, h in zip(split, groups)],
