@@ -110,8 +110,12 @@ has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.p
 has bench_sampler && step bench_sampler python3 benchmarks/bench_sampler.py --device cuda --out $RES
 # issue 5: the end-to-end A/B benchmark, one step per shape in LF_E2E_SHAPES (default mixtral), LF_E2E_ARGS added
 if has bench_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
+  # SM clock, power and temperature every 0.5 s beside the variants (a sustained GEMM load runs into the power cap)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 > "$RES/smi_$shape.csv" &
+  smi=$!
   # eval: LF_E2E_ARGS keeps its quotes (--train-args "--kernel-profile 3 --memory-snapshot")
   eval "step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}"
+  kill $smi 2>/dev/null
 done; fi
 # the host's Python in the LoongForge e2e step, sampled by py-spy (carried wheel) without torch's profiler: which
 # frames the main thread and autograd's device thread spend the step in (raw collapsed stacks, --threads --idle)
