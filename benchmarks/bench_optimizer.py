@@ -117,7 +117,8 @@ def build_variants(init, grads, layout, device):
         state = State(init, grads, layout)
         opt = FusedAdamWClip(state.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_norm=MAX_NORM, impl=impl)
         opt.step()  # creates the optimizer state and its buckets, which the op then steps directly
-        buckets = list(opt._buckets.values())
+        # a step drops its buckets' gradients (ae3e54b): take this step's buckets, gradients attached, again
+        buckets = [b for i, g in enumerate(opt.param_groups) for b in opt._group_buckets(i, g)]
         hypers = [dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)] * len(buckets)
         return (lambda: fused_adamw_clip_step(buckets, hypers, max_norm=MAX_NORM, impl=impl)), None
 

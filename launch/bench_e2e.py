@@ -516,12 +516,12 @@ def main(argv=None) -> dict:
     results = [VariantResult(v) for v in args.variant_names]
     meta, paths = {}, ()
     for i, variant in enumerate(args.variant_names):
-        print(f"[{variant}] {time.strftime('%H:%M:%S')} {DESCRIPTIONS[variant]} ...", flush=True)
+        print(f"[{variant}] {DESCRIPTIONS[variant]} ... (from {time.strftime('%H:%M:%S')})", flush=True)
         results[i] = run_variant(variant, base_cmd, gpu, args.timeout, log_dir)
         r = results[i]
-        print(f"[{variant}] {time.strftime('%H:%M:%S')} {r.status} in {r.seconds} s"
+        print(f"[{variant}] {r.status} in {r.seconds} s"
               + (f": {_fmt(r.tokens_per_s, ',.0f')} tokens/s, eval loss {_fmt(r.eval_loss, '.4f')}"
-                 if r.status == "ok" else f": {r.error}"), flush=True)
+                 if r.status == "ok" else f": {r.error}") + f" (to {time.strftime('%H:%M:%S')})", flush=True)
         baselines = compare(results, shape, args.data)
         flops = next((r.train_summary.get("model_flops_per_token") for r in results if r.train_summary), None)
         meta = {"name": name, "shape_name": args.shape, "shape": asdict(shape), "steps": args.steps,
