@@ -31,9 +31,9 @@ A training call that would have built transformers' DynamicCache (use_cache on, 
 layers keep nothing (``_training_cache``): the same mask and attention, without copying every layer's keys and
 values into a cache the loss never reads; the output's cache is then None.
 
-The effect a caller sees: a training forward with labels returns ``logits=None`` (and no cache, as above). Code that needs the logits of a
-training step must call the model without ``labels`` (and compute its own loss), or switch
-``fused_kernels.linear_cross_entropy`` off.
+The effect a caller sees: a training forward with labels returns ``logits=None`` (and no cache, as above). Code
+that needs the logits of a training step must call the model without ``labels`` (and compute its own loss), or
+switch ``fused_kernels.linear_cross_entropy`` off.
 """
 
 from __future__ import annotations
@@ -374,10 +374,11 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
     aux_loss = getattr(out, "aux_loss", None)
     if spec.adds_aux and aux_loss is not None:
         loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
-    out = dataclasses.replace(out, loss=loss, logits=None)
+    replace = {"loss": loss, "logits": None}
     if cache is not None:  # it holds nothing: no cache rather than an empty one that looks filled
         field = next((f.name for f in dataclasses.fields(out) if f.name in ("cache", "past_key_values")
                       and getattr(out, f.name) is cache), None)
         if field is not None:
-            out = dataclasses.replace(out, **{field: None})
+            replace[field] = None
+    out = dataclasses.replace(out, **replace)
     return out if return_dict else out.to_tuple()
