@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute
+from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute, sort_routing_keys
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
 ROUTER_MODES = ("topk", "sampled")
@@ -440,18 +440,12 @@ class ExpertMaskedMoE(nn.Module):
     def _routing_indices(self, ids_TK: torch.Tensor):
         """(order_P, slot_TK, tokens_per_expert_E, offsets_E or None) for the permute/unpermute ops, in
         _dispatch_key order. No host sync, no atomics: locally the counting-sort kernel (expert_routing); with
-        chunked expert parallelism the counts come from the run boundaries of the sorted keys (torch.bincount
-        would read the largest id back to the host on CUDA)."""
+        chunked expert parallelism a stable sort by the dispatch key (sort_routing_keys)."""
         if self.ep_group is None or len(self.chunk_bounds) == 1:
             return expert_routing(ids_TK, self.num_experts, impl=self.impl)
-        key_P = self._dispatch_key(ids_TK.reshape(-1))
-        sorted_P, order_P = torch.sort(key_P, stable=True)
-        slot_P = torch.empty_like(order_P)
-        slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
         key_E = self._dispatch_key(torch.arange(self.num_experts, device=ids_TK.device))
-        tokens_per_expert_E = (torch.searchsorted(sorted_P, key_E, right=True)
-                               - torch.searchsorted(sorted_P, key_E))
-        return order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E, None
+        # rows in key order, not expert order: the cumsum of the counts is no group end here
+        return (*sort_routing_keys(self._dispatch_key(ids_TK), key_E), None)
 
     def _dispatch_key(self, ids_P: torch.Tensor) -> torch.Tensor:
         """Sort key of the token-expert pairs. Local: the expert id (expert-major). Expert-parallel with C

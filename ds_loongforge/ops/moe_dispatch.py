@@ -75,21 +75,28 @@ def _check_routing_args(ids_TK: torch.Tensor, num_experts: int) -> None:
 
 
 def routing_indices_reference(ids_TK: torch.Tensor, num_experts: int) -> Routing:
-    """Plain PyTorch: a stable sort of the pairs by expert, its inverse, the counts from the run boundaries of the
-    sorted ids (torch.bincount would read the largest id back to the host on CUDA), their int32 cumsum."""
+    """Plain PyTorch: a stable sort of the pairs by expert, its inverse and the counts (sort_routing_keys), their
+    int32 cumsum."""
     _check_routing_args(ids_TK, num_experts)
     return _sorted_routing(ids_TK, num_experts)
 
 
-def _sorted_routing(ids_TK: torch.Tensor, num_experts: int) -> Routing:
-    ids_P = ids_TK.reshape(-1)
-    sorted_P, order_P = torch.sort(ids_P, stable=True)  # the sorted ids come with the order: no gather
+def sort_routing_keys(key_TK: torch.Tensor, key_E: torch.Tensor):
+    """``(order_P, slot_TK, tokens_per_expert_E)`` of a stable sort of the pairs by ``key_TK`` [T, K]: expert e's
+    pairs are those whose key is ``key_E[e]`` (expert e's sort key; the expert id itself when the rows are
+    expert-major). Counts from the run boundaries of the sorted keys: torch.bincount would read the largest key back
+    to the host on CUDA."""
+    sorted_P, order_P = torch.sort(key_TK.reshape(-1), stable=True)  # the sorted keys come with the order
     slot_P = torch.empty_like(order_P)
     slot_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-    experts = torch.arange(num_experts + 1, device=ids_P.device, dtype=ids_P.dtype)
-    tokens_per_expert_E = torch.searchsorted(sorted_P, experts).diff()
-    return Routing(order_P, slot_P.view(ids_TK.shape), tokens_per_expert_E,
-                   torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
+    key_E = key_E.to(sorted_P.dtype)
+    counts_E = torch.searchsorted(sorted_P, key_E, right=True) - torch.searchsorted(sorted_P, key_E)
+    return order_P, slot_P.view(key_TK.shape), counts_E
+
+
+def _sorted_routing(ids_TK: torch.Tensor, num_experts: int) -> Routing:
+    order_P, slot_TK, counts_E = sort_routing_keys(ids_TK, torch.arange(num_experts, device=ids_TK.device))
+    return Routing(order_P, slot_TK, counts_E, torch.cumsum(counts_E, 0).to(torch.int32))
 
 
 def expert_routing(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto") -> Routing:

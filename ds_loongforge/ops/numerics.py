@@ -13,9 +13,8 @@ from typing import Callable
 import torch
 
 from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cross_entropy_
-from ds_loongforge.ops.moe_dispatch import (moe_permute, moe_permute_reference, moe_unpermute,
-                                            moe_unpermute_reference, routing_indices)
-from ds_loongforge.ops.moe_dispatch import expert_routing, routing_indices_reference
+from ds_loongforge.ops.moe_dispatch import (expert_routing, moe_permute, moe_permute_reference, moe_unpermute,
+                                            moe_unpermute_reference, routing_indices, routing_indices_reference)
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
