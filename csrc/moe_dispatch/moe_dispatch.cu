@@ -28,6 +28,15 @@ constexpr int kThreads = 256;
 // Pairs of a token the scatter handles per pass over its row: the row is loaded once per kPairChunk pairs
 // (once in all for K <= 8) while the chunk's slots, weights and dot products stay in registers.
 constexpr int kPairChunk = 8;
+// The unpermute backward reads the y rows of this many pairs before it uses the first. One at a time (a
+// load, its dot product, the next load) left each warp with one 512-byte read in flight, and the backward ran
+// at ~65% of copy bandwidth on the H200 (1.63 ms per finegrained e2e step). More pairs hold more registers:
+// benchmarks/diagnose_dispatch.py times the choices (it builds this file with the macro set).
+#ifndef LF_DISPATCH_LOADS_IN_FLIGHT
+#define LF_DISPATCH_LOADS_IN_FLIGHT 4
+#endif
+constexpr int kLoadsInFlight = LF_DISPATCH_LOADS_IN_FLIGHT;
+static_assert(kLoadsInFlight >= 1 && kPairChunk % kLoadsInFlight == 0, "loads in flight must divide kPairChunk");
 
 template <typename T, int V, bool WEIGHTED, bool DWEIGHTS>
 __global__ void __launch_bounds__(kThreads)
@@ -55,22 +64,36 @@ __global__ void __launch_bounds__(kThreads)
             if (valid) {
                 for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
                     const Vec<T, V> sv = load_vec<T, V>(src_row + c * V);
+                    constexpr int kStep = DWEIGHTS ? kLoadsInFlight : 1;  // no reads without dweights
 #pragma unroll
-                    for (int i = 0; i < kPairChunk; ++i) {
-                        if (i >= nj) break;
-                        if constexpr (WEIGHTED) {
-                            Vec<T, V> ov;
-#pragma unroll
-                            for (int e = 0; e < V; ++e) ov.val[e] = static_cast<T>(w[i] * static_cast<float>(sv.val[e]));
-                            store_vec<T, V>(dst + row[i] * hidden + c * V, ov);
-                        } else {
-                            store_vec<T, V>(dst + row[i] * hidden + c * V, sv);
-                        }
+                    for (int i0 = 0; i0 < kPairChunk; i0 += kStep) {
+                        // the y rows of kLoadsInFlight pairs are read before the first is used (predicated, no
+                        // early exit between them)
+                        Vec<T, V> yv[kStep];
                         if constexpr (DWEIGHTS) {
-                            const Vec<T, V> yv = load_vec<T, V>(y + row[i] * y_stride + c * V);
 #pragma unroll
-                            for (int e = 0; e < V; ++e) {
-                                dot[i] = fmaf(static_cast<float>(sv.val[e]), static_cast<float>(yv.val[e]), dot[i]);
+                            for (int d = 0; d < kStep; ++d) {
+                                if (i0 + d < nj) yv[d] = load_vec<T, V>(y + row[i0 + d] * y_stride + c * V);
+                            }
+                        }
+#pragma unroll
+                        for (int d = 0; d < kStep; ++d) {
+                            const int i = i0 + d;
+                            if (i < nj) {
+                                if constexpr (WEIGHTED) {
+                                    Vec<T, V> ov;
+#pragma unroll
+                                    for (int e = 0; e < V; ++e) ov.val[e] = static_cast<T>(w[i] * static_cast<float>(sv.val[e]));
+                                    store_vec<T, V>(dst + row[i] * hidden + c * V, ov);
+                                } else {
+                                    store_vec<T, V>(dst + row[i] * hidden + c * V, sv);
+                                }
+                                if constexpr (DWEIGHTS) {
+#pragma unroll
+                                    for (int e = 0; e < V; ++e) {
+                                        dot[i] = fmaf(static_cast<float>(sv.val[e]), static_cast<float>(yv[d].val[e]), dot[i]);
+                                    }
+                                }
                             }
                         }
                     }
