@@ -1,5 +1,5 @@
 """Builders of the fused MoE dispatch op family: permute / unpermute, forward and backward, and the routing
-indices (csrc/moe_dispatch)."""
+indices, and the router's softmax + top-k (csrc/moe_dispatch)."""
 
 from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
 
@@ -7,7 +7,7 @@ from .builder import LFCPUOpBuilder, LFCUDAOpBuilder
 class MoEDispatchBuilder(LFCUDAOpBuilder):
     NAME = "lf_moe_dispatch"
     BUILD_VAR = "LF_BUILD_MOE_DISPATCH"
-    SOURCES = ("moe_dispatch/moe_dispatch.cu", "moe_dispatch/moe_routing.cu",
+    SOURCES = ("moe_dispatch/moe_dispatch.cu", "moe_dispatch/moe_routing.cu", "moe_dispatch/moe_router.cu",
                "moe_dispatch/moe_dispatch_binding.cpp")
 
 
@@ -15,4 +15,4 @@ class MoEDispatchCPUBuilder(LFCPUOpBuilder):
     NAME = "lf_moe_dispatch_cpu"
     BUILD_VAR = "LF_BUILD_MOE_DISPATCH"
     SOURCES = ("moe_dispatch/moe_dispatch_cpu.cpp", "moe_dispatch/moe_routing_cpu.cpp",
-               "moe_dispatch/moe_dispatch_binding.cpp")
+               "moe_dispatch/moe_router_cpu.cpp", "moe_dispatch/moe_dispatch_binding.cpp")

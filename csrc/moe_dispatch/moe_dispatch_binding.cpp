@@ -19,6 +19,12 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
                           const at::Tensor& dst_TH);
 void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                               const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
+void moe_router_topk_fwd_cuda(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
+                              const at::Tensor& weights_TK, const at::Tensor& ids_TK);
+void moe_router_topk_bwd_cuda(const at::Tensor& dweights_TK, const at::Tensor& dprobs_TE, const at::Tensor& probs_TE,
+                              const at::Tensor& ids_TK, bool renormalize, const at::Tensor& dlogits_TE);
+#define LF_ROUTER_FWD moe_router_topk_fwd_cuda
+#define LF_ROUTER_BWD moe_router_topk_bwd_cuda
 #define LF_SCATTER_ROWS moe_scatter_rows_cuda
 #define LF_GATHER_ROWS moe_gather_rows_cuda
 #define LF_ROUTING_INDICES moe_routing_indices_cuda
@@ -31,6 +37,12 @@ void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, co
                          const at::Tensor& dst_TH);
 void moe_routing_indices_cpu(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                              const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
+void moe_router_topk_fwd_cpu(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
+                             const at::Tensor& weights_TK, const at::Tensor& ids_TK);
+void moe_router_topk_bwd_cpu(const at::Tensor& dweights_TK, const at::Tensor& dprobs_TE, const at::Tensor& probs_TE,
+                             const at::Tensor& ids_TK, bool renormalize, const at::Tensor& dlogits_TE);
+#define LF_ROUTER_FWD moe_router_topk_fwd_cpu
+#define LF_ROUTER_BWD moe_router_topk_bwd_cpu
 #define LF_SCATTER_ROWS moe_scatter_rows_cpu
 #define LF_GATHER_ROWS moe_gather_rows_cpu
 #define LF_ROUTING_INDICES moe_routing_indices_cpu
@@ -82,6 +94,28 @@ std::vector<at::Tensor> routing_indices(const at::Tensor& ids_TK, int64_t num_ex
     return {order_P, slot_TK, counts_E, offsets_E};
 }
 
+std::vector<at::Tensor> router_topk_fwd(const at::Tensor& logits_TE, int64_t k, bool renormalize) {
+    check_router_logits(logits_TE, k, kDispatchDevice);
+    const auto f32 = logits_TE.options().dtype(at::kFloat);
+    auto probs_TE = at::empty(logits_TE.sizes(), f32);
+    auto weights_TK = at::empty({logits_TE.size(0), k}, f32);
+    auto ids_TK = at::empty({logits_TE.size(0), k}, logits_TE.options().dtype(at::kLong));
+    LF_ROUTER_FWD(logits_TE, k, renormalize, probs_TE, weights_TK, ids_TK);
+    return {probs_TE, weights_TK, ids_TK};
+}
+
+at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at::Tensor>& dprobs_TE,
+                           const at::Tensor& probs_TE, const at::Tensor& ids_TK, bool renormalize,
+                           at::ScalarType logits_dtype) {
+    check_router_bwd_args(dweights_TK, dprobs_TE, probs_TE, ids_TK, kDispatchDevice);
+    LF_CHECK(logits_dtype == at::kFloat || logits_dtype == at::kHalf || logits_dtype == at::kBFloat16,
+             "moe_router_topk_bwd: logits dtype must be float32, float16 or bfloat16, got ", logits_dtype);
+    auto dlogits_TE = at::empty(probs_TE.sizes(), probs_TE.options().dtype(logits_dtype));
+    LF_ROUTER_BWD(dweights_TK, dprobs_TE.has_value() ? *dprobs_TE : at::Tensor(), probs_TE, ids_TK, renormalize,
+                  dlogits_TE);
+    return dlogits_TE;
+}
+
 }  // namespace
 }  // namespace loongforge
 
@@ -96,6 +130,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("unpermute_backward", &loongforge::unpermute_bwd, py::arg("dout_TH"), py::arg("y_PH"),
           py::arg("slot_TK"), py::arg("weights_TK"),
           "returns (dy_PH, dweights_TK[fp32] or None when y_PH is None)");
+    m.def("router_topk_forward", &loongforge::router_topk_fwd, py::arg("logits_TE"), py::arg("k"),
+          py::arg("renormalize"),
+          "(probs_TE[fp32 softmax], weights_TK[fp32], ids_TK): the k best experts, renormalised if asked");
+    m.def("router_topk_backward", &loongforge::router_topk_bwd, py::arg("dweights_TK"), py::arg("dprobs_TE"),
+          py::arg("probs_TE"), py::arg("ids_TK"), py::arg("renormalize"), py::arg("logits_dtype"),
+          "dlogits_TE (in logits_dtype) from the gradients of weights_TK and probs_TE (None: zero)");
     m.def("routing_indices", &loongforge::routing_indices, py::arg("ids_TK"), py::arg("num_experts"),
           "(order_P, slot_TK, counts_E, offsets_E[int32 inclusive cumsum]): the stable sort of the pairs by expert");
 }

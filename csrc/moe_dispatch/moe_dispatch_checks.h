@@ -118,4 +118,49 @@ inline void check_routing_args(const at::Tensor& ids_TK, int64_t num_experts, c1
              " (one shared-memory counter each); use routing_indices_reference");
 }
 
+// Router top-k (moe_router.cu, moe_router_cpu.cpp): a warp per token, lane j holding the j-th choice.
+constexpr int64_t kMaxRouterExperts = 1024;  // 32 values per lane
+constexpr int64_t kMaxRouterTopK = 32;       // one choice per lane
+
+inline void check_router_logits(const at::Tensor& logits_TE, int64_t k, c10::DeviceType device) {
+    const char* op = "moe_router_topk";
+    LF_CHECK(logits_TE.device().type() == device, op, ": logits_TE must be on ", device, ", got a tensor on ",
+             logits_TE.device());
+    LF_CHECK_DIM(logits_TE, 2);
+    LF_CHECK_CONTIGUOUS(logits_TE);
+    LF_CHECK(logits_TE.scalar_type() == at::kFloat || logits_TE.scalar_type() == at::kHalf ||
+                 logits_TE.scalar_type() == at::kBFloat16,
+             op, ": logits_TE must be float32, float16 or bfloat16, got ", logits_TE.scalar_type());
+    const int64_t experts = logits_TE.size(1);
+    LF_CHECK(experts >= 1 && experts <= kMaxRouterExperts, op, ": ", experts, " experts; the kernels take 1 to ",
+             kMaxRouterExperts, " (use router_topk_reference)");
+    LF_CHECK(k >= 1 && k <= experts && k <= kMaxRouterTopK, op, ": k = ", k, " must be in [1, min(E, ",
+             kMaxRouterTopK, ")] with E = ", experts, " (use router_topk_reference above ", kMaxRouterTopK, ")");
+}
+
+inline void check_router_bwd_args(const at::Tensor& dweights_TK, const c10::optional<at::Tensor>& dprobs_TE,
+                                  const at::Tensor& probs_TE, const at::Tensor& ids_TK, c10::DeviceType device) {
+    const char* op = "moe_router_topk_bwd";
+    for (const at::Tensor* t : {&dweights_TK, &probs_TE, &ids_TK}) {
+        LF_CHECK(t->device() == probs_TE.device() && t->device().type() == device, op,
+                 ": every tensor must be on the probabilities' device ", probs_TE.device(), ", got ", t->device());
+        LF_CHECK_CONTIGUOUS((*t));
+    }
+    LF_CHECK_DTYPE(probs_TE, at::kFloat);
+    LF_CHECK_DTYPE(dweights_TK, at::kFloat);
+    LF_CHECK_DTYPE(ids_TK, at::kLong);
+    LF_CHECK(probs_TE.dim() == 2 && probs_TE.size(1) <= kMaxRouterExperts, op, ": probs_TE must be [T, E<=",
+             kMaxRouterExperts, "], got ", probs_TE.sizes());
+    LF_CHECK(ids_TK.dim() == 2 && ids_TK.size(0) == probs_TE.size(0) && ids_TK.size(1) <= kMaxRouterTopK &&
+                 ids_TK.size(1) <= probs_TE.size(1) && dweights_TK.sizes() == ids_TK.sizes(),
+             op, ": ids_TK ", ids_TK.sizes(), " and dweights_TK ", dweights_TK.sizes(), " must be [T, K] with K <= ",
+             kMaxRouterTopK, " for probs_TE ", probs_TE.sizes());
+    if (dprobs_TE.has_value() && dprobs_TE->defined()) {
+        LF_CHECK(dprobs_TE->device() == probs_TE.device() && dprobs_TE->sizes() == probs_TE.sizes() &&
+                     dprobs_TE->scalar_type() == at::kFloat && dprobs_TE->is_contiguous(),
+                 op, ": dprobs_TE must be a contiguous float32 tensor like probs_TE ", probs_TE.sizes(), ", got ",
+                 dprobs_TE->sizes(), " ", dprobs_TE->scalar_type(), " on ", dprobs_TE->device());
+    }
+}
+
 }  // namespace loongforge

@@ -48,6 +48,7 @@ from torch.nn import functional as F
 
 from ds_loongforge import profiler
 from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute, sort_routing_keys
+from ds_loongforge.ops.moe_router import router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
 ROUTER_MODES = ("topk", "sampled")
@@ -174,14 +175,15 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TH: torch.Tensor):
         logits_TE = F.linear(x_TH, self.weight)
-        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         if self.mode == "sampled" and self.training:
+            probs_TE = torch.softmax(logits_TE.float(), dim=-1)
             ids_TK = torch.multinomial(probs_TE.detach(), self.top_k, replacement=False)
             weights_TK = probs_TE.gather(1, ids_TK)
-        else:
-            weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.renormalize:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            if self.renormalize:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            return logits_TE, probs_TE, weights_TK, ids_TK
+        # softmax, top-k and renormalisation in one kernel each way (ops/moe_router.py)
+        probs_TE, weights_TK, ids_TK = router_topk(logits_TE, self.top_k, self.renormalize)
         return logits_TE, probs_TE, weights_TK, ids_TK
 
 

@@ -7,6 +7,7 @@ from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cro
 from ds_loongforge.ops.moe_dispatch import (Routing, expert_routing, moe_permute, moe_permute_reference,
                                             moe_unpermute, moe_unpermute_reference, routing_indices,
                                             routing_indices_reference)
+from ds_loongforge.ops.moe_router import router_topk, router_topk_reference
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
@@ -16,5 +17,5 @@ __all__ = [
     "moe_unpermute_reference", "routing_indices", "routing_indices_reference", "expert_routing", "Routing",
     "AdamWBucket", "grad_stats", "grad_stats_reference",
     "adamw_clip_apply", "adamw_clip_apply_reference", "fused_adamw_clip_step", "softmax_cross_entropy_",
-    "cross_entropy_reference",
+    "cross_entropy_reference", "router_topk", "router_topk_reference",
 ]

@@ -15,6 +15,7 @@ import torch
 from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cross_entropy_
 from ds_loongforge.ops.moe_dispatch import (expert_routing, moe_permute, moe_permute_reference, moe_unpermute,
                                             moe_unpermute_reference, routing_indices, routing_indices_reference)
+from ds_loongforge.ops.moe_router import router_topk
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
@@ -286,6 +287,46 @@ def routing_checks(tokens: int, k: int, experts: int, device: str, impl: str,
             for name, a, b in zip(ours._fields, ours, ref)]
 
 
+def router_checks(tokens: int, experts: int, k: int, dtype: torch.dtype, device: str, impl: str,
+                  renormalize: bool = True, grads: str = "both",
+                  generator: torch.Generator | None = None) -> list[CheckResult]:
+    """router_topk(impl) vs fp64: the choices against a stable descending sort of the fp64 probabilities (the
+    lowest expert first among equal values; tolerance 0, error: entries that differ), then probs, weights and
+    the logits' gradient (from the weights', the probabilities' or both gradients) each with its 2x-PyTorch
+    tolerance. fp64 and PyTorch (the fp32 softmax of the dtype's logits, autograd) go through the kernel's
+    choices: 16-bit logits tie often, and torch.topk may break a tie the other way."""
+    kw = {"device": device, "generator": generator}
+    logits = (2.0 * torch.randn(tokens, experts, **kw)).to(dtype)
+    dw = torch.randn(tokens, k, **kw)
+    dp = torch.randn(tokens, experts, **kw)
+    label = f"router_topk {impl} {str(dtype)[6:]} T={tokens} E={experts} K={k}{'' if renormalize else ' raw'} {grads}"
+
+    def run(fn, cast, ids=None):
+        xs = logits.detach().to(cast).requires_grad_()
+        probs, weights, chosen = fn(xs, ids)
+        loss = 0
+        if grads in ("weights", "both"):
+            loss = loss + (weights * dw.to(weights.dtype)).sum()
+        if grads in ("probs", "both"):
+            loss = loss + (probs * dp.to(probs.dtype)).sum()
+        (dx,) = _grads((loss,), (xs,), (None,))
+        return [probs.detach(), weights.detach(), dx], chosen
+
+    def through(xs, ids):
+        probs = torch.softmax(xs.double() if xs.dtype == torch.float64 else xs.float(), dim=-1)
+        weights = probs.gather(1, ids)
+        return probs, (weights / weights.sum(-1, keepdim=True) if renormalize else weights), ids
+
+    ours, ids = run(lambda xs, _: router_topk(xs, k, renormalize, impl=impl), dtype)
+    ref, _ = run(through, torch.float64, ids)
+    eager, _ = run(through, dtype, ids)
+    stable = torch.sort(ref[0], dim=-1, descending=True, stable=True).indices[:, :k]
+    results = [CheckResult(f"{label} ids", float((ids != stable).sum()), 0.0)]
+    dtypes = [torch.float32, torch.float32, dtype]
+    return results + [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, d))
+                      for n, o, f, e, d in zip(["probs", "weights", "dlogits"], ours, ref, eager, dtypes)]
+
+
 def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]]:
     """The quick checks ``loongforge_report --verify`` runs for one compiled op, one line each."""
     impl = device
@@ -303,6 +344,8 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
             checks.append(lambda d=dtype: _merge(moe_permute_checks(129, 2880, 8, 64, d, device, impl)))
             checks.append(lambda d=dtype: _merge(moe_unpermute_checks(129, 2880, 8, 64, d, device, impl)))
         checks.append(lambda: _merge(routing_checks(3001, 8, 64, device, impl)))  # 3 rank blocks, idle experts
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.append(lambda d=dtype: _merge(router_checks(4099, 64, 8, d, device, impl)))
     elif builder_name.startswith("lf_cross_entropy"):
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(cross_entropy_checks(257, 32000, d, device, impl)))
