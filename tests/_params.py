@@ -10,6 +10,11 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
           pytest.param(torch.float16, id="fp16")]
 
 
+def device_of(impl: str) -> str:
+    """The device an impl's tensors live on: cuda for the CUDA kernel, the CPU for the CPU kernel and the reference."""
+    return "cuda" if impl == "cuda" else "cpu"
+
+
 def assert_checks(results):
     failed = [r.describe() for r in results if not r.passed]
     assert not failed, "\n".join(failed)

@@ -108,8 +108,7 @@ at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at
                            const at::Tensor& probs_TE, const at::Tensor& ids_TK, bool renormalize,
                            at::ScalarType logits_dtype) {
     check_router_bwd_args(dweights_TK, dprobs_TE, probs_TE, ids_TK, kDispatchDevice);
-    LF_CHECK(logits_dtype == at::kFloat || logits_dtype == at::kHalf || logits_dtype == at::kBFloat16,
-             "moe_router_topk_bwd: logits dtype must be float32, float16 or bfloat16, got ", logits_dtype);
+    check_kernel_dtype(logits_dtype, "moe_router_topk_bwd", "the logits' dtype");
     auto dlogits_TE = at::empty(probs_TE.sizes(), probs_TE.options().dtype(logits_dtype));
     LF_ROUTER_BWD(dweights_TK, dprobs_TE.has_value() ? *dprobs_TE : at::Tensor(), probs_TE, ids_TK, renormalize,
                   dlogits_TE);

@@ -17,15 +17,19 @@ inline void check_dispatch_tensor_on(const at::Tensor& t, const at::Tensor& firs
                 first.device());
 }
 
+// The floating dtypes the kernels are built for.
+inline void check_kernel_dtype(at::ScalarType dtype, const char* op, const char* name) {
+    LF_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", name,
+             " must be float32, float16 or bfloat16, got ", dtype);
+}
+
 // Activation rows [R, H]: float dtype, unit stride along H (a row stride is allowed).
 inline void check_dispatch_rows(const at::Tensor& rows, const char* op, const char* name, c10::DeviceType device) {
     check_dispatch_tensor_on(rows, rows, op, name, device);
     LF_CHECK(rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1), op, ": ", name,
                 " must be a 2-D view with unit stride along the last dimension, got shape ", rows.sizes(),
                 " and strides ", rows.strides());
-    LF_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kHalf ||
-                    rows.scalar_type() == at::kBFloat16,
-                op, ": ", name, " must be float32, float16 or bfloat16, got ", rows.scalar_type());
+    check_kernel_dtype(rows.scalar_type(), op, name);
     LF_CHECK(rows.size(1) <= std::numeric_limits<int>::max(), op, ": hidden size must be below 2^31, got ",
                 rows.size(1));
 }
@@ -128,9 +132,7 @@ inline void check_router_logits(const at::Tensor& logits_TE, int64_t k, c10::Dev
              logits_TE.device());
     LF_CHECK_DIM(logits_TE, 2);
     LF_CHECK_CONTIGUOUS(logits_TE);
-    LF_CHECK(logits_TE.scalar_type() == at::kFloat || logits_TE.scalar_type() == at::kHalf ||
-                 logits_TE.scalar_type() == at::kBFloat16,
-             op, ": logits_TE must be float32, float16 or bfloat16, got ", logits_TE.scalar_type());
+    check_kernel_dtype(logits_TE.scalar_type(), op, "logits_TE");
     const int64_t experts = logits_TE.size(1);
     LF_CHECK(experts >= 1 && experts <= kMaxRouterExperts, op, ": ", experts, " experts; the kernels take 1 to ",
              kMaxRouterExperts, " (use router_topk_reference)");

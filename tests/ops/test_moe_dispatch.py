@@ -10,7 +10,7 @@ from ds_loongforge.ops import (expert_routing, moe_permute, moe_permute_referenc
                                moe_unpermute_reference, routing_indices, routing_indices_reference)
 from ds_loongforge.ops.moe_dispatch import _BUILDERS, MAX_KERNEL_EXPERTS
 from ds_loongforge.ops.numerics import moe_permute_checks, moe_unpermute_checks, random_routing, routing_checks
-from tests._params import DTYPES, IMPLS, assert_checks
+from tests._params import DTYPES, IMPLS, assert_checks, device_of
 
 # the reference too: its fp32 accumulation with one rounding is part of the op's contract
 IMPLS_AND_REFERENCE = [pytest.param("reference", id="reference"), *IMPLS]
@@ -28,10 +28,6 @@ SHAPES = [  # (T, H, K, E); random_routing leaves the last quarter of the expert
     pytest.param(1000, 2880, 2, 4, id="t1000_h2880"),     # the largest case here, P = 2000 rows
     pytest.param(16, 7168, 8, 64, id="h7168"),            # DeepSeek-V3 hidden size
 ]
-
-
-def _device(impl):
-    return "cuda" if impl == "cuda" else "cpu"
 
 
 def _routing(tokens, k, experts, device):
@@ -71,7 +67,7 @@ ROUTING_SHAPES = [  # (T, K, E): the counting sort's blocks hold 1024 pairs and 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("tokens,k,experts", ROUTING_SHAPES)
 def test_routing_kernel_equals_the_stable_sort(impl, tokens, k, experts):
-    device = _device(impl)
+    device = device_of(impl)
     for check in routing_checks(tokens, k, experts, device, impl):
         assert check.passed, check.describe()
     ids_TK, _ = random_routing(tokens, k, experts, device)
@@ -83,7 +79,7 @@ def test_routing_kernel_equals_the_stable_sort(impl, tokens, k, experts):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_routing_kernel_takes_int32_and_strided_ids(impl):
-    device = _device(impl)
+    device = device_of(impl)
     ids = torch.randint(0, 16, (300, 6), device=device)[:, ::2]  # [300, 3], row stride 6
     ref = routing_indices_reference(ids, 16)
     for variant in (ids, ids.int()):
@@ -134,20 +130,20 @@ def test_routing_indices_rejects_bad_ids():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden,k,experts", SHAPES)
 def test_moe_permute_matches_fp64(impl, dtype, tokens, hidden, k, experts):
-    assert_checks(moe_permute_checks(tokens, hidden, k, experts, dtype, _device(impl), impl))
+    assert_checks(moe_permute_checks(tokens, hidden, k, experts, dtype, device_of(impl), impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden,k,experts", SHAPES)
 def test_moe_unpermute_matches_fp64(impl, dtype, tokens, hidden, k, experts):
-    assert_checks(moe_unpermute_checks(tokens, hidden, k, experts, dtype, _device(impl), impl))
+    assert_checks(moe_unpermute_checks(tokens, hidden, k, experts, dtype, device_of(impl), impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
 def test_moe_unpermute_weights_in_activation_dtype(impl, dtype):
-    assert_checks(moe_unpermute_checks(53, 320, 4, 16, dtype, _device(impl), impl, weights_dtype=dtype))
+    assert_checks(moe_unpermute_checks(53, 320, 4, 16, dtype, device_of(impl), impl, weights_dtype=dtype))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -203,7 +199,7 @@ def test_unpermute_without_weight_gradient(impl):
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
 def test_bad_input_is_a_clear_error(impl):
-    device = _device(impl)
+    device = device_of(impl)
     order_P, slot_TK, weights_TK = _routing(6, 2, 4, device)
     x_TH = torch.randn(6, 8, device=device)
     y_PH = torch.randn(12, 8, device=device)

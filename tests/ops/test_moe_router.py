@@ -11,7 +11,7 @@ import torch
 from ds_loongforge.ops import router_topk, router_topk_reference
 from ds_loongforge.ops.moe_router import MAX_KERNEL_EXPERTS, MAX_KERNEL_TOP_K
 from ds_loongforge.ops.numerics import router_checks
-from tests._params import DTYPES, IMPLS, assert_checks
+from tests._params import DTYPES, IMPLS, assert_checks, device_of
 
 SHAPES = [  # (T, E, K)
     pytest.param(0, 8, 2, id="no_tokens"),
@@ -25,24 +25,20 @@ SHAPES = [  # (T, E, K)
 ]
 
 
-def _device(impl):
-    return "cuda" if impl == "cuda" else "cpu"
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,experts,k", SHAPES)
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "no_renorm"])
 @pytest.mark.parametrize("grads", ["weights", "probs", "both"])
 def test_matches_fp64(impl, dtype, tokens, experts, k, renormalize, grads):
-    gen = torch.Generator(device=_device(impl)).manual_seed(tokens * 1000 + experts * 10 + k)
-    assert_checks(router_checks(tokens, experts, k, dtype, _device(impl), impl, renormalize, grads, gen))
+    gen = torch.Generator(device=device_of(impl)).manual_seed(tokens * 1000 + experts * 10 + k)
+    assert_checks(router_checks(tokens, experts, k, dtype, device_of(impl), impl, renormalize, grads, gen))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_output_dtypes_and_shapes(impl, dtype):
-    x = torch.randn(5, 12, device=_device(impl), dtype=dtype, requires_grad=True)
+    x = torch.randn(5, 12, device=device_of(impl), dtype=dtype, requires_grad=True)
     probs, weights, ids = router_topk(x, 3, impl=impl)
     assert probs.dtype == weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert probs.shape == (5, 12) and weights.shape == ids.shape == (5, 3)
@@ -53,7 +49,7 @@ def test_output_dtypes_and_shapes(impl, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_ties_take_the_lowest_expert_and_equal_weights(impl):
-    x = torch.zeros(4, 8, device=_device(impl), requires_grad=True)
+    x = torch.zeros(4, 8, device=device_of(impl), requires_grad=True)
     probs, weights, ids = router_topk(x, 3, True, impl=impl)
     assert torch.equal(ids.cpu(), torch.arange(3).expand(4, 3))
     torch.testing.assert_close(weights.cpu(), torch.full((4, 3), 1 / 3))
@@ -65,7 +61,7 @@ def test_ties_take_the_lowest_expert_and_equal_weights(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nan_and_minus_inf_logits(impl):
-    device = _device(impl)
+    device = device_of(impl)
     x = torch.randn(3, 8, device=device)
     x[0, 5] = float("nan")
     x[1, :] = float("-inf")
@@ -80,7 +76,7 @@ def test_nan_and_minus_inf_logits(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_deterministic(impl):
-    device = _device(impl)
+    device = device_of(impl)
     x = torch.randn(513, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     dw = torch.randn(513, 8, device=device)
     runs = []

@@ -12,6 +12,7 @@ import torch
 from ds_loongforge.ops.adamw import (AdamWBucket, adamw_clip_apply, adamw_clip_apply_reference, grad_stats,
                                      grad_stats_reference, new_stats)
 from ds_loongforge.optim import FusedAdamWClip
+from tests._params import device_of
 
 IMPLS = [pytest.param("cpu", id="cpu"), pytest.param("reference", id="reference"),
          pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -24,10 +25,6 @@ SHAPES = [
     (3, 4),       # one 8-element vector and a 4-element tail (4-element vectors would have no tail)
 ]
 STEPS = 20
-
-
-def _device(impl):
-    return "cuda" if impl == "cuda" else "cpu"
 
 
 def _params(shapes, device, dtype=torch.float32):
@@ -51,7 +48,7 @@ def _assert_rel(actual, expected, rtol=1e-6, scale=None):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_twenty_steps_equal_torch_adamw_with_clip(impl):
-    device = _device(impl)
+    device = device_of(impl)
     ours = _params(SHAPES, device)
     ref = _clone(ours)
     opt = FusedAdamWClip(ours, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_norm=5.0, impl=impl)
@@ -77,7 +74,7 @@ def test_twenty_steps_equal_torch_adamw_with_clip(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_params_with_fp32_masters(impl):
-    device = _device(impl)
+    device = device_of(impl)
     ours = _params(SHAPES, device, torch.bfloat16)
     ref = _clone(ours, torch.float32)
     opt = FusedAdamWClip(ours, lr=1e-2, weight_decay=0.05, max_norm=1.0, impl=impl)
@@ -100,7 +97,7 @@ def test_bf16_params_with_fp32_masters(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_clip_inactive_below_max_norm(impl):
-    device = _device(impl)
+    device = device_of(impl)
     ours = _params(SHAPES, device)
     ref = _clone(ours)
     opt = FusedAdamWClip(ours, lr=1e-3, max_norm=1e6, impl=impl)
@@ -118,7 +115,7 @@ def test_clip_inactive_below_max_norm(impl):
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_nonfinite_grad_skips_the_step_bit_identically(impl, bad, dtype):
-    device = _device(impl)
+    device = device_of(impl)
     ours = _params(SHAPES, device, dtype)
     opt = FusedAdamWClip(ours, lr=1e-2, weight_decay=0.1, max_norm=1.0, impl=impl)
     for p, g in zip(ours, _grads(SHAPES, device, 0.01)):
@@ -144,7 +141,7 @@ def test_nonfinite_grad_skips_the_step_bit_identically(impl, bad, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_param_groups_with_different_hyper_parameters_and_grads_none(impl):
-    device = _device(impl)
+    device = device_of(impl)
     ours = _params(SHAPES, device)
     ref = _clone(ours)
     groups = [dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
@@ -173,7 +170,7 @@ def test_param_groups_with_different_hyper_parameters_and_grads_none(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_state_dict_round_trip_gives_a_bitwise_identical_next_step(impl):
-    device = _device(impl)
+    device = device_of(impl)
     shapes = SHAPES[:3]
     params = _params(shapes, device, torch.bfloat16) + _params(shapes, device)
     opt = FusedAdamWClip([dict(params=params[:3]), dict(params=params[3:], lr=2e-3)], lr=1e-2, max_norm=1.0,
@@ -205,7 +202,7 @@ def test_state_dict_round_trip_gives_a_bitwise_identical_next_step(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_params_with_fp32_grads_op_level(impl):
     """The DeepSpeed-style layout: bf16 params, fp32 grads, fp32 masters, driven through the op."""
-    device = _device(impl)
+    device = device_of(impl)
     params = [torch.randn(s, device=device).to(torch.bfloat16) for s in SHAPES]
 
     def bucket():
@@ -232,7 +229,7 @@ def test_bf16_params_with_fp32_grads_op_level(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_norm_is_deterministic_and_fp32_accurate(impl):
-    device = _device(impl)
+    device = device_of(impl)
     grads = [torch.randn(s, device=device) for s in [(1 << 18,), (1000,), (3,)]]
     b = AdamWBucket(grads, grads, grads, grads, [torch.zeros((), device=device)] * 3)
     first = grad_stats([b], impl=impl).clone()
@@ -273,7 +270,7 @@ def test_device_tensor_inv_scale_equals_the_same_number(impl):
     """A dynamic fp16 loss scale lives on the device: its inverse passed as a tensor steps exactly like the
     same value passed as a number, and grads scaled by S with inv_scale 1/S (S a power of two) step like the
     unscaled grads, norm included."""
-    device = _device(impl)
+    device = device_of(impl)
     scale = 1024.0
     a, b, c = _params(SHAPES, device), None, None
     b, c = _clone(a), _clone(a)
@@ -305,7 +302,7 @@ def test_no_reference_to_the_gradients_survives_a_step(impl):
     import gc
     import weakref
 
-    device = _device(impl)
+    device = device_of(impl)
     p = torch.nn.Parameter(torch.randn(64, device=device))
     opt = FusedAdamWClip([p], lr=1e-2, max_norm=1.0, impl=impl)
     for _ in range(2):
@@ -337,7 +334,7 @@ def test_partition_bucket_over_gradient_pieces_equals_the_flat_gradient(impl, cl
     tail the pieces do not cover, like the last rank's alignment padding) updates the partition exactly as
     the bucket over the flattened gradient does (bitwise without clipping; with clipping the norm is summed
     in another order), advances the step once (not once per piece), and a non-finite piece skips it all."""
-    device = _device(impl)
+    device = device_of(impl)
     sizes, tail = [40, 8, 1, 24], 7
     n = sum(sizes) + tail
     runs = {}
