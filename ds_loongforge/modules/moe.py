@@ -48,7 +48,7 @@ from torch.nn import functional as F
 
 from ds_loongforge import profiler
 from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute, sort_routing_keys
-from ds_loongforge.ops.moe_router import router_topk
+from ds_loongforge.ops.moe_router import kernel_fits, router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
 ROUTER_MODES = ("topk", "sampled")
@@ -162,7 +162,7 @@ class TopKRouter(nn.Module):
     without replacement from the softmax ("sampled"; eval uses top-k)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, mode: str = "topk",
-                 renormalize: bool = True, device=None, dtype=None):
+                 renormalize: bool = True, impl: str = "auto", device=None, dtype=None):
         super().__init__()
         if mode not in ROUTER_MODES:
             raise ValueError(f"router mode {mode!r} is not one of {ROUTER_MODES}")
@@ -170,6 +170,7 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.mode = mode
         self.renormalize = renormalize
+        self.impl = impl  # of the fused top-k op (ops/moe_router.py), as the layer's other ops
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
@@ -183,7 +184,9 @@ class TopKRouter(nn.Module):
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
             return logits_TE, probs_TE, weights_TK, ids_TK
         # softmax, top-k and renormalisation in one kernel each way (ops/moe_router.py)
-        probs_TE, weights_TK, ids_TK = router_topk(logits_TE, self.top_k, self.renormalize)
+        # a layer on "cuda" / "cpu" keeps its other kernels where the router's shape is beyond this op's
+        impl = self.impl if self.impl == "reference" or kernel_fits(logits_TE, self.top_k) else "auto"
+        probs_TE, weights_TK, ids_TK = router_topk(logits_TE, self.top_k, self.renormalize, impl=impl)
         return logits_TE, probs_TE, weights_TK, ids_TK
 
 
@@ -381,7 +384,7 @@ class ExpertMaskedMoE(nn.Module):
             raise ValueError(f"ExpertMaskedMoE: expert_compute must be one of {EXPERT_COMPUTE}, got {expert_compute!r}")
         self.expert_compute = expert_compute
         self.gate = TopKRouter(hidden_size, num_experts, top_k, mode=router_mode, renormalize=renormalize,
-                               device=device, dtype=dtype)
+                               impl=impl, device=device, dtype=dtype)
         self.experts = StackedExperts(hidden_size, intermediate_size, self.num_local_experts, device=device,
                                       dtype=dtype)
         self.aux_loss: torch.Tensor | None = None

@@ -75,15 +75,18 @@ def _check_args(logits_TE: torch.Tensor, k: int) -> None:
         raise ValueError(f"router_topk: k = {k} must be between 1 and the number of experts ({experts})")
 
 
+def kernel_fits(logits_TE: torch.Tensor, k: int) -> bool:
+    """Whether the kernels take these logits (dtype, at most MAX_KERNEL_EXPERTS experts and MAX_KERNEL_TOP_K)."""
+    return logits_TE.dtype in _KERNEL_DTYPES and logits_TE.shape[-1] <= MAX_KERNEL_EXPERTS and k <= MAX_KERNEL_TOP_K
+
+
 def router_topk(logits_TE: torch.Tensor, k: int, renormalize: bool = True, impl: str = "auto"):
     """(probs_TE, weights_TK, ids_TK) of the module legend. ``impl``: "auto" (the kernel where the shape and
     dtype allow it and it builds, else the reference), "cuda", "cpu" or "reference"."""
     _check_args(logits_TE, k)
     if impl == "reference":
         return router_topk_reference(logits_TE, k, renormalize)
-    fits = (logits_TE.dtype in _KERNEL_DTYPES and logits_TE.shape[1] <= MAX_KERNEL_EXPERTS
-            and k <= MAX_KERNEL_TOP_K)
-    if impl == "auto" and not fits:
+    if impl == "auto" and not kernel_fits(logits_TE, k):
         return router_topk_reference(logits_TE, k, renormalize)
     kernel = kernel_for("moe_router_topk", _BUILDERS, logits_TE.device.type, impl)
     if kernel is None:

@@ -115,3 +115,17 @@ def test_bad_k(k):
 def test_logits_must_be_2d():
     with pytest.raises(ValueError, match=r"must be \[tokens, experts\], got shape \(2, 4, 8\)"):
         router_topk(torch.randn(2, 4, 8), 2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_the_layer_router_follows_the_layer_impl(impl):
+    """ExpertMaskedMoE(impl=...) hands its impl to the router: 'reference' runs torch's ops, 'cpu' the kernel,
+    and a router beyond the kernels' shapes on an explicit impl takes the reference instead of failing."""
+    from ds_loongforge.modules import ExpertMaskedMoE
+
+    layer = ExpertMaskedMoE(16, 24, 8, 2, impl=impl)
+    _, probs, _, _ = layer.gate(torch.randn(5, 16, requires_grad=True))
+    assert ("RouterTopK" in type(probs.grad_fn).__name__) == (impl == "cpu")
+    wide = ExpertMaskedMoE(16, 24, MAX_KERNEL_EXPERTS + 8, 2, impl=impl)
+    _, probs, weights, ids = wide.gate(torch.randn(5, 16))
+    assert probs.shape == (5, MAX_KERNEL_EXPERTS + 8) and ids.shape == (5, 2)
