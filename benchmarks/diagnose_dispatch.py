@@ -22,36 +22,35 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Timer, environment, measure_copy_bandwidth
+from ds_loongforge.op_builder import MoEDispatchBuilder, build_ops
 
 # (name, tokens, hidden, experts, top_k): launch/train.py's e2e presets, 4 x 2048 tokens
 SHAPES = (("mixtral_e2e", 8192, 2048, 8, 2), ("finegrained_e2e", 8192, 2048, 64, 8))
 
 
-def _build_only(loads: int) -> None:
-    build(loads)  # in a child process: the module is not returned, the parent then loads it from the cache
+class _LoadsBuilder(MoEDispatchBuilder):
+    """The dispatch op compiled with LF_DISPATCH_LOADS_IN_FLIGHT = LOADS, under a name of its own."""
+
+    LOADS = 4
+
+    def nvcc_args(self):
+        return super().nvcc_args() + [f"-DLF_DISPATCH_LOADS_IN_FLIGHT={self.LOADS}"]
+
+
+# one importable class per value: build_ops compiles each in a spawned process that imports it by name
+VALUES = (1, 2, 4, 8)
+BUILDERS = {n: type(f"Loads{n}Builder", (_LoadsBuilder,), {"NAME": f"lf_moe_dispatch_loads{n}", "LOADS": n,
+                                                            "__module__": __name__}) for n in VALUES}
+globals().update({cls.__name__: cls for cls in BUILDERS.values()})
 
 
 def build_all(values: list[int]) -> dict:
-    """One build per value, compiled in parallel (a spawned process each), then loaded from torch's cache."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=len(values), mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_build_only, values))
-    return {n: build(n) for n in values}
-
-
-def build(loads: int):
-    from torch.utils.cpp_extension import load
-
-    from ds_loongforge.op_builder import MoEDispatchBuilder
-
-    b = MoEDispatchBuilder()
-    b.jit_mode = True
-    return load(name=f"lf_moe_dispatch_loads{loads}", sources=b.sources(), extra_include_paths=b.include_paths(),
-                extra_cflags=b.strip_empty_entries(b.cxx_args()),
-                extra_cuda_cflags=b.strip_empty_entries(b.nvcc_args()) + [f"-DLF_DISPATCH_LOADS_IN_FLIGHT={loads}"],
-                with_cuda=True, verbose=False)
+    """One build per value, compiled in parallel (build_ops), then loaded from torch's cache."""
+    modules = build_ops([BUILDERS[n]() for n in values])
+    failed = {name: err for name, err in modules.items() if isinstance(err, Exception)}
+    if failed:
+        raise RuntimeError(f"diagnose_dispatch: builds failed: {failed}")
+    return {n: modules[BUILDERS[n].NAME] for n in values}
 
 
 def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):
@@ -66,7 +65,7 @@ def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--values", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--values", type=int, nargs="+", default=list(VALUES), choices=VALUES)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -185,7 +185,7 @@ class TopKRouter(nn.Module):
             return logits_TE, probs_TE, weights_TK, ids_TK
         # softmax, top-k and renormalisation in one kernel each way (ops/moe_router.py)
         # a layer on "cuda" / "cpu" keeps its other kernels where the router's shape is beyond this op's
-        impl = self.impl if self.impl == "reference" or kernel_fits(logits_TE, self.top_k) else "auto"
+        impl = self.impl if kernel_fits(logits_TE, self.top_k) else "reference"
         probs_TE, weights_TK, ids_TK = router_topk(logits_TE, self.top_k, self.renormalize, impl=impl)
         return logits_TE, probs_TE, weights_TK, ids_TK
 

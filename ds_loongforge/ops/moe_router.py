@@ -22,19 +22,22 @@ from __future__ import annotations
 
 import torch
 
-from ds_loongforge.op_builder import MoEDispatchBuilder, MoEDispatchCPUBuilder
 from ds_loongforge.ops._dispatch import kernel_for
+from ds_loongforge.ops.moe_dispatch import _BUILDERS, _KERNEL_DTYPES  # the same compiled op family
 
-_BUILDERS = {"cuda": MoEDispatchBuilder, "cpu": MoEDispatchCPUBuilder}
 MAX_KERNEL_EXPERTS = 1024  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRouterExperts
 MAX_KERNEL_TOP_K = 32  # kMaxRouterTopK
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def router_topk_reference(logits_TE: torch.Tensor, k: int, renormalize: bool = True):
-    """Plain PyTorch: the fp32 softmax (fp64 for fp64 logits), torch.topk, the division by the chosen sum."""
+def router_topk_reference(logits_TE: torch.Tensor, k: int, renormalize: bool = True,
+                          ids_TK: torch.Tensor | None = None):
+    """Plain PyTorch: the fp32 softmax (fp64 for fp64 logits), torch.topk, the division by the chosen sum.
+    ``ids_TK`` given: those choices instead of torch.topk's (the checks follow a kernel's choices through ties)."""
     probs_TE = torch.softmax(logits_TE.double() if logits_TE.dtype == torch.float64 else logits_TE.float(), dim=-1)
-    weights_TK, ids_TK = torch.topk(probs_TE, k, dim=-1)
+    if ids_TK is None:
+        weights_TK, ids_TK = torch.topk(probs_TE, k, dim=-1)
+    else:
+        weights_TK = probs_TE.gather(1, ids_TK)
     if renormalize:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return probs_TE, weights_TK, ids_TK

@@ -15,7 +15,7 @@ import torch
 from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cross_entropy_
 from ds_loongforge.ops.moe_dispatch import (expert_routing, moe_permute, moe_permute_reference, moe_unpermute,
                                             moe_unpermute_reference, routing_indices, routing_indices_reference)
-from ds_loongforge.ops.moe_router import router_topk
+from ds_loongforge.ops.moe_router import router_topk, router_topk_reference
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm, rmsnorm_reference
 from ds_loongforge.ops.swiglu import philox_keep_mask, swiglu_dropout, swiglu_reference
 
@@ -313,9 +313,7 @@ def router_checks(tokens: int, experts: int, k: int, dtype: torch.dtype, device:
         return [probs.detach(), weights.detach(), dx], chosen
 
     def through(xs, ids):
-        probs = torch.softmax(xs.double() if xs.dtype == torch.float64 else xs.float(), dim=-1)
-        weights = probs.gather(1, ids)
-        return probs, (weights / weights.sum(-1, keepdim=True) if renormalize else weights), ids
+        return router_topk_reference(xs, k, renormalize, ids_TK=ids)
 
     ours, ids = run(lambda xs, _: router_topk(xs, k, renormalize, impl=impl), dtype)
     ref, _ = run(through, torch.float64, ids)
