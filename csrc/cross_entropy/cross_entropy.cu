@@ -1,4 +1,5 @@
-// Fused softmax cross-entropy over a chunk of fp32 logits, on CUDA: per row r of x [C, V]
+// Fused softmax cross-entropy over a chunk of logits (fp32, bf16 or fp16; fp32 arithmetic), on CUDA: per row r
+// of x [C, V]
 //
 //   lse     = max(x) + log(sum(exp(x - max(x))))
 //   nll[r]  = valid[r] ? lse - x[target[r]] : 0
@@ -11,10 +12,11 @@
 // per-thread online (max, sum) and reduces the pairs over the block; pass 2 reads the row again, back to front so
 // that it starts with what pass 1 read last, which L2 most likely still holds, and writes the gradient. The block
 // size shrinks with V, so small vocabularies do not idle 512 threads per row.
-// Measured on an H200 (C = 2048, V = 32000, bf16 gradient): 156 us, against 93 us for a plain copy of the same
-// bytes (read fp32, write bf16) and 640 us for the eager path. The gap is pass 2's re-read: with ~500 rows of
-// 128 KB in flight only part of them stays in L2. Blocks of 256 or 1024 threads were slower at V = 32000 and
-// V = 152064.
+// Measured on an H200 (C = 2048, V = 32000, fp32 logits, bf16 gradient): 156 us, against 93 us for a plain copy
+// of the same bytes (read fp32, write bf16) and 640 us for the eager path. The gap is pass 2's re-read: with ~500
+// rows of 128 KB in flight only part of them stays in L2. Blocks of 256 or 1024 threads were slower at V = 32000
+// and V = 152064. 16-bit logits (what the unfused path of a bf16 model computes: its logits GEMM writes bf16) are
+// read 16 bytes (8 values) at a time, half the bytes of fp32 per row.
 #include <cmath>
 
 #include "cross_entropy_checks.h"
@@ -69,33 +71,41 @@ __device__ __forceinline__ MaxSum block_max_sum(MaxSum v, MaxSum* smem) {
     return total;
 }
 
-// W consecutive logits of group i: a float4 on the vector path.
-template <int W>
-__device__ __forceinline__ void load_group(const float* __restrict__ x, int64_t i, float (&v)[W]) {
-    if constexpr (W == 4) {
-        const float4 q = reinterpret_cast<const float4*>(x)[i];
-        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+// W consecutive logits of group i, as fp32: one 16-byte load on the vector path (W = 16 / sizeof(X)).
+template <typename X, int W>
+__device__ __forceinline__ void load_group(const X* __restrict__ x, int64_t i, float (&v)[W]) {
+    if constexpr (W == 1) {
+        v[0] = static_cast<float>(x[i]);
     } else {
-        v[0] = x[i];
+        const Vec<X, W> q = load_vec<X, W>(x + i * W);
+#pragma unroll
+        for (int j = 0; j < W; ++j) v[j] = static_cast<float>(q.val[j]);
     }
+}
+
+// Values per 16-byte vector of logits: 4 fp32, 8 bf16/fp16.
+template <typename X>
+constexpr int vec_width() {
+    return static_cast<int>(16 / sizeof(X));
 }
 
 // Preconditions (checked by check_cross_entropy_args and the launcher): blockDim.x is a multiple of 32 and at
 // most kMaxThreads; 1 <= V < 2^31; 0 <= target[r] < V (asserted on the device, as torch's gather does);
-// x rows are `x_stride` floats apart, grad rows `grad_stride` elements apart (grad == nullptr: no gradient).
-// VEC (float4 loads, 4-element stores) additionally needs V % 4 == 0, both strides % 4 == 0, x 16-byte and
-// grad 4-element aligned; otherwise the scalar path handles any V and any alignment.
+// x rows are `x_stride` elements apart, grad rows `grad_stride` elements apart (grad == nullptr: no gradient).
+// VEC (16-byte loads of W = vec_width<X>() logits, W-element stores) additionally needs V % W == 0, both strides
+// % W == 0, x 16-byte and grad min(16, W * sizeof(G))-byte aligned; otherwise the scalar path handles any V and any
+// alignment.
 // Each thread issues kUnroll independent loads before using them: with one load in flight per thread the H200
 // took 175 us instead of 97 us at C = 256, V = 152064, and 310 us instead of 221 us on the scalar path (V = 32003).
-template <typename G, bool VEC>
+template <typename X, typename G, bool VEC>
 __global__ void __launch_bounds__(kMaxThreads)
-    cross_entropy_kernel(const float* __restrict__ x_all, int64_t x_stride, const int64_t* __restrict__ target,
+    cross_entropy_kernel(const X* __restrict__ x_all, int64_t x_stride, const int64_t* __restrict__ target,
                          const bool* __restrict__ valid, const float* __restrict__ scale, float* __restrict__ nll,
                          G* __restrict__ grad_all, int64_t grad_stride, int64_t vocab) {
-    constexpr int W = VEC ? 4 : 1;
+    constexpr int W = VEC ? vec_width<X>() : 1;
     __shared__ MaxSum smem[kMaxThreads / 32];
     const int64_t r = blockIdx.x;
-    const float* x = x_all + r * x_stride;
+    const X* x = x_all + r * x_stride;
     const int64_t t = target[r];
     const int64_t n = vocab / W;
     const int64_t step = blockDim.x;
@@ -106,7 +116,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             if (i0 + u * step < n) {
-                load_group<W>(x, i0 + u * step, v[u]);
+                load_group<X, W>(x, i0 + u * step, v[u]);
             } else {
 #pragma unroll
                 for (int j = 0; j < W; ++j) v[u][j] = -INFINITY;  // adds nothing
@@ -119,7 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const float log_sum = logf(row.sum);
     if (threadIdx.x == 0) {
         CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
-        nll[r] = valid[r] ? log_sum - (x[t] - row.max) : 0.f;
+        nll[r] = valid[r] ? log_sum - (static_cast<float>(x[t]) - row.max) : 0.f;
     }
     if (grad_all == nullptr) return;
 
@@ -129,7 +139,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         float v[kUnroll][W];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-            if (i0 - u * step >= 0) load_group<W>(x, i0 - u * step, v[u]);
+            if (i0 - u * step >= 0) load_group<X, W>(x, i0 - u * step, v[u]);
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -162,27 +172,31 @@ at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& target
     LF_CHECK(rows <= std::numeric_limits<int32_t>::max(), "cross_entropy: at most 2^31 - 1 rows per call (one ",
              "block per row), got ", rows, "; split the rows into chunks");
     const c10::cuda::CUDAGuard guard(logits.device());
-    auto nll = at::empty({rows}, logits.options());
+    auto nll = at::empty({rows}, logits.options().dtype(at::kFloat));
     if (rows == 0) return nll;
     const bool with_grad = grad.has_value() && grad->defined();
     const at::ScalarType grad_type = with_grad ? grad->scalar_type() : at::kFloat;
     auto stream = c10::cuda::getCurrentCUDAStream();
-    LF_DISPATCH_FLOATING(grad_type, "cross_entropy", [&] {
-        using G = scalar_t;
-        G* g = with_grad ? grad->data_ptr<G>() : nullptr;
-        const int64_t g_stride = with_grad ? grad->stride(0) : 0;
-        const bool vec_ok = vocab % 4 == 0 && logits.stride(0) % 4 == 0 && lf_aligned16(logits.data_ptr()) &&
-                            (!with_grad || (g_stride % 4 == 0 &&
-                                            reinterpret_cast<uintptr_t>(g) % (4 * sizeof(G)) == 0));
-        auto launch = [&]<bool VEC>() {
-            const int threads = threads_for(VEC ? vocab / 4 : vocab);
-            cross_entropy_kernel<G, VEC><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-                logits.data_ptr<float>(), logits.stride(0), target.data_ptr<int64_t>(), valid.data_ptr<bool>(),
-                scale.data_ptr<float>(), nll.data_ptr<float>(), g, g_stride, vocab);
-        };
-        if (vec_ok) launch.template operator()<true>();
-        else launch.template operator()<false>();
-        LF_CUDA_CHECK_LAUNCH();
+    LF_DISPATCH_FLOATING(logits.scalar_type(), "cross_entropy", [&] {
+        using X = scalar_t;
+        constexpr int W = vec_width<X>();
+        LF_DISPATCH_FLOATING(grad_type, "cross_entropy", [&] {
+            using G = scalar_t;
+            G* g = with_grad ? grad->data_ptr<G>() : nullptr;
+            const int64_t g_stride = with_grad ? grad->stride(0) : 0;
+            const uintptr_t g_align = W * sizeof(G) < 16 ? W * sizeof(G) : 16;
+            const bool vec_ok = vocab % W == 0 && logits.stride(0) % W == 0 && lf_aligned16(logits.data_ptr()) &&
+                                (!with_grad || (g_stride % W == 0 && reinterpret_cast<uintptr_t>(g) % g_align == 0));
+            auto launch = [&]<bool VEC>() {
+                const int threads = threads_for(VEC ? vocab / W : vocab);
+                cross_entropy_kernel<X, G, VEC><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+                    logits.data_ptr<X>(), logits.stride(0), target.data_ptr<int64_t>(), valid.data_ptr<bool>(),
+                    scale.data_ptr<float>(), nll.data_ptr<float>(), g, g_stride, vocab);
+            };
+            if (vec_ok) launch.template operator()<true>();
+            else launch.template operator()<false>();
+            LF_CUDA_CHECK_LAUNCH();
+        });
     });
     return nll;
 }

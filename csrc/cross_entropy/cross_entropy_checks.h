@@ -21,7 +21,7 @@ inline void check_xent_per_row(const at::Tensor& t, const char* name, c10::Scala
              " and strides ", t.strides());
 }
 
-// logits [C, V] fp32 and grad [C, V] (fp32/bf16/fp16) are 2-D views with unit stride along V (rows may be
+// logits [C, V] and grad [C, V] (each fp32/bf16/fp16) are 2-D views with unit stride along V (rows may be
 // strided: grad is typically a row slice of a bigger [N, V] buffer); target/valid/scale are contiguous [C].
 inline void check_cross_entropy_args(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& valid,
                                      const at::Tensor& scale, const c10::optional<at::Tensor>& grad,
@@ -29,7 +29,7 @@ inline void check_cross_entropy_args(const at::Tensor& logits, const at::Tensor&
     LF_CHECK(logits.device().type() == device, "cross_entropy: logits must be on ", device,
              ", got a tensor on ", logits.device());
     LF_CHECK_ROWS(logits);
-    LF_CHECK_DTYPE(logits, at::kFloat);
+    LF_CHECK_FLOATING(logits);
     const int64_t rows = logits.size(0);
     LF_CHECK(logits.size(1) >= 1 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
              "cross_entropy: the number of classes V must be in [1, 2^31), got ", logits.size(1));

@@ -2,14 +2,16 @@
 
 Legend (shape suffixes): C rows of the chunk, V classes.
 
-Per row r of fp32 logits x_CV, with lse = max(x) + log(sum(exp(x - max(x)))) in fp32:
+Per row r of logits x_CV (fp32, bf16 or fp16: the dtype the logits GEMM wrote), with lse = max(x) +
+log(sum(exp(x - max(x)))) in fp32:
 
     nll_C[r]     = valid_C[r] ? lse - x[r, target_C[r]] : 0
     grad_CV[r]   = (exp(x[r] - lse) - onehot(target_C[r])) * scale_C[r]      (when grad_CV is given)
 
 The gradient is written, cast once, into ``grad_CV`` (fp32/bf16/fp16; typically a row slice of a bigger [N, V]
-buffer). The CUDA kernel reads each row from HBM once and writes the gradient once, where the eager sequence
-(log_softmax, gather, exp_, scatter_add_, mul) reads and writes [C, V] fp32 several times. Ignored rows carry
+buffer). 16-bit logits are upcast on load, as the unfused ``logits.float()`` does, so the loss is the one transformers
+computes from the same bf16 logits. The CUDA kernel reads each row from HBM once and writes the gradient once, where
+the eager sequence (log_softmax, gather, exp_, scatter_add_, mul) reads and writes [C, V] fp32 several times. Ignored rows carry
 target 0, valid False and scale 0 (the caller maps them; nothing here selects rows by a boolean mask, so nothing
 synchronises with the host). fp64 logits run :func:`cross_entropy_reference` (no kernel).
 """
@@ -23,6 +25,7 @@ from ds_loongforge.ops._dispatch import check_impl, kernel_for
 
 _BUILDERS = {"cuda": FusedCrossEntropyBuilder, "cpu": FusedCrossEntropyCPUBuilder}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOGITS_DTYPES = _GRAD_DTYPES + (torch.float64,)  # fp64 runs the reference
 
 
 def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor,
@@ -31,7 +34,7 @@ def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, val
 
     This is also the unfused path that ``linear_cross_entropy`` runs for fp64 and when the kernel is unavailable.
     """
-    acc = torch.float64 if logits_CV.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(logits_CV.dtype)
     logp_CV = torch.log_softmax(logits_CV.to(acc), dim=1)
     target_C1 = target_C.unsqueeze(1)
     nll_C = torch.where(valid_C, logp_CV.gather(1, target_C1).squeeze(1).neg(), 0.0)
@@ -42,20 +45,24 @@ def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, val
     return nll_C
 
 
+def _acc_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
 def _check_args(logits_CV, target_C, valid_C, scale_C, grad_CV) -> None:
     name = "softmax_cross_entropy_"
     if not isinstance(logits_CV, torch.Tensor) or logits_CV.dim() != 2 or logits_CV.shape[1] < 1:
         shape = tuple(logits_CV.shape) if isinstance(logits_CV, torch.Tensor) else type(logits_CV).__name__
         raise ValueError(f"{name}: logits_CV must be a [C, V] tensor with V >= 1, got {shape}")
-    if logits_CV.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{name}: logits_CV is {logits_CV.dtype}; the op takes float32 logits (float64 runs the "
-                         f"reference): pass logits_CV.float()")
+    if logits_CV.dtype not in _LOGITS_DTYPES:
+        raise ValueError(f"{name}: logits_CV is {logits_CV.dtype}; the op takes float32, bfloat16 or float16 logits "
+                         f"(float64 runs the reference): pass logits_CV.float()")
     if logits_CV.shape[1] > 1 and logits_CV.stride(1) != 1:
         raise ValueError(f"{name}: logits_CV must have unit stride along V, got strides {logits_CV.stride()}; "
                          f"pass logits_CV.contiguous()")
     rows = logits_CV.shape[0]
     for arg, t, dtype in (("target_C", target_C, torch.int64), ("valid_C", valid_C, torch.bool),
-                          ("scale_C", scale_C, logits_CV.dtype)):
+                          ("scale_C", scale_C, _acc_dtype(logits_CV.dtype))):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != (rows,):
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: {arg} must be a {dtype} tensor of shape ({rows},) (one per logits row), "
@@ -82,13 +89,13 @@ def _check_args(logits_CV, target_C, valid_C, scale_C, grad_CV) -> None:
 def softmax_cross_entropy_(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor,
                            scale_C: torch.Tensor, grad_CV: torch.Tensor | None = None,
                            impl: str = "auto") -> torch.Tensor:
-    """Per-row softmax cross-entropy of fp32 ``logits_CV`` [C, V]: returns ``nll_C`` (fp32, 0 on rows where
-    ``valid_C`` is False) and, when ``grad_CV`` [C, V] is given, writes ``(softmax - onehot(target)) * scale_C``
-    into it (in place, cast to its dtype). No autograd: the caller owns the gradient.
+    """Per-row softmax cross-entropy of ``logits_CV`` [C, V] (fp32/bf16/fp16, fp32 math): returns ``nll_C`` (fp32,
+    0 on rows where ``valid_C`` is False) and, when ``grad_CV`` [C, V] is given, writes ``(softmax -
+    onehot(target)) * scale_C`` into it (in place, cast to its dtype). No autograd: the caller owns the gradient.
 
-    target_C: int64 [C] in [0, V) (map ignored rows to 0). valid_C: bool [C]. scale_C: [C] in the logits' dtype,
-    the gradient's row scale (0 on ignored rows). Rows of logits_CV and grad_CV may be strided (unit stride along
-    V). A target outside [0, V) raises "out of bounds" on CPU and trips a device-side assert on CUDA.
+    target_C: int64 [C] in [0, V) (map ignored rows to 0). valid_C: bool [C]. scale_C: fp32 [C] (fp64 for fp64
+    logits), the gradient's row scale (0 on ignored rows). Rows of logits_CV and grad_CV may be strided (unit stride
+    along V). A target outside [0, V) raises "out of bounds" on CPU and trips a device-side assert on CUDA.
     impl: "auto" (the kernel for the tensors' device; the reference when its build fails), "cuda", "cpu",
     "reference". float64 logits always run the reference.
     """

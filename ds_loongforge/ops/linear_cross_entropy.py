@@ -1,4 +1,4 @@
-"""Fused LM head + cross-entropy: ``F.cross_entropy(hidden @ weight.T, labels)`` without the full fp32 logits.
+"""Fused LM head + cross-entropy: ``F.cross_entropy((hidden @ weight.T).float(), labels)`` without the full logits.
 
 Legend (shape suffixes): N rows (tokens), H hidden, V vocabulary, C rows of one chunk.
 
@@ -6,23 +6,29 @@ The unfused loss path of a causal LM in bf16 writes the logits [N, V] in bf16, c
 fp32 log-softmax for backward and, in backward, builds the fp32 gradient of the logits and converts it back:
 several [N, V] fp32 tensors of memory traffic and up to ~3 [N, V] fp32 buffers alive at the peak.
 
-Here the forward runs chunk by chunk over rows: logits_CV = h_CH @ W_VH^T with an fp32 output (on CUDA with
-bf16/fp16 inputs the GEMM writes fp32 directly: ``torch.mm(..., out_dtype=torch.float32)``), then one call of the
-fused softmax cross-entropy op (``ops/cross_entropy.py``: one read of the chunk's logits) gives the loss terms
-lse - x[target] of the valid rows, summed into an fp32 device scalar, and writes the gradient of the logits
+Here the forward runs chunk by chunk over rows: logits_CV = h_CH @ W_VH^T in the logits dtype, then one call of the
+fused softmax cross-entropy op (``ops/cross_entropy.py``: one read of the chunk's logits, fp32 math) gives the loss
+terms lse - x[target] of the valid rows, summed into an fp32 device scalar, and writes the gradient of the logits
 g_CV = (softmax - onehot(target)) * scale (scale = 1/n_valid for valid rows, 0 for ignored ones), cast to the input
-dtype, into a preallocated [N, V] buffer. fp64 inputs, and fp32 ones when the op's kernel could not be built, run
+dtype, into a preallocated [N, V] buffer. fp64 inputs, and the others when the op's kernel could not be built, run
 the op's PyTorch reference (log_softmax, gather, exp_, scatter_add_, mul). Backward is two GEMMs of exactly the
 unfused backward's shapes: grad_hidden = g @ W and grad_weight = g^T @ hidden, scaled by the incoming gradient.
+
+The logits dtype is by default the inputs' (``logits_dtype=None``): the logits GEMM rounds to bf16 as the unfused
+path's ``lm_head`` does, and the op upcasts on load as its ``logits.float()`` does, so the loss and gradients are
+the ones transformers computes (only the order of the fp32 sums differs). A bf16 chunk is half the bytes of an
+fp32 one (1 GB less traffic per step at Mixtral's 8192 x 32000). ``logits_dtype=torch.float32`` keeps the logits in
+fp32 instead (on CUDA the bf16/fp16 GEMM writes fp32 directly: ``torch.mm(..., out_dtype=torch.float32)``): a loss
+nearer the exact one than the unfused path's, at twice the logits' bytes.
 
 Nothing synchronises with the host: the number of valid labels stays a device tensor, rows are never selected by
 a boolean mask, and no Python branch looks at tensor values.
 
-Semantics are those of ``F.cross_entropy(logits, labels, ignore_index=..., reduction=...)`` on fp32 logits:
-``"mean"`` divides by the number of non-ignored labels and is nan when all are ignored (gradients are then 0, as
-torch's are); ``"sum"`` is the plain sum (0 when all are ignored). A label outside [0, V) that is not
-``ignore_index`` cannot be checked without a host sync: like torch's own CUDA loss it trips a device-side assert
-(in the kernel, or ``gather`` of the reference) on CUDA and raises "out of bounds" (RuntimeError) on CPU.
+Semantics are those of ``F.cross_entropy(logits.float(), labels, ignore_index=..., reduction=...)``: ``"mean"``
+divides by the number of non-ignored labels and is nan when all are ignored (gradients are then 0, as torch's
+are); ``"sum"`` is the plain sum (0 when all are ignored). A label outside [0, V) that is not ``ignore_index``
+cannot be checked without a host sync: like torch's own CUDA loss it trips a device-side assert (in the kernel,
+or ``gather`` of the reference) on CUDA and raises "out of bounds" (RuntimeError) on CPU.
 
 Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``nn.Linear`` would (the gradient buffer is kept
 in that dtype); gradients come back in the dtypes of ``hidden`` and ``weight``.
@@ -38,7 +44,7 @@ from ds_loongforge.ops.cross_entropy import softmax_cross_entropy_
 
 logger = logging.getLogger("ds_loongforge")
 
-# target size of one chunk's logits in the accumulation dtype (fp32): 256 MiB, 2048 rows at V = 32000
+# target size of one chunk's logits: 256 MiB, 4096 rows of bf16 (2048 of fp32) at V = 32000
 CHUNK_BYTES = 256 << 20
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -46,15 +52,17 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _mm_out_dtype_ok: bool | None = None
 
 
-def default_chunk_rows(vocab: int, acc_dtype: torch.dtype = torch.float32) -> int:
-    """Rows whose logits in ``acc_dtype`` take about CHUNK_BYTES (a multiple of 256 rows when that is possible)."""
-    rows = max(1, CHUNK_BYTES // (max(1, vocab) * torch.finfo(acc_dtype).bits // 8))
+def default_chunk_rows(vocab: int, logits_dtype: torch.dtype = torch.float32) -> int:
+    """Rows whose logits in ``logits_dtype`` take about CHUNK_BYTES (a multiple of 256 rows when that is possible)."""
+    rows = max(1, CHUNK_BYTES // (max(1, vocab) * torch.finfo(logits_dtype).bits // 8))
     return rows - rows % 256 if rows >= 256 else rows
 
 
-def _logits(h_CH: torch.Tensor, w_VH: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
-    """h @ w^T as ``acc_dtype`` (fp32, or fp64 for fp64 inputs)."""
+def _logits(h_CH: torch.Tensor, w_VH: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+    """h @ w^T as ``logits_dtype`` (the inputs' dtype, or fp32)."""
     global _mm_out_dtype_ok
+    if logits_dtype == h_CH.dtype:
+        return torch.mm(h_CH, w_VH.t())
     if h_CH.is_cuda and h_CH.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_ok is not False:
         if _mm_out_dtype_ok:
             return torch.mm(h_CH, w_VH.t(), out_dtype=torch.float32)
@@ -67,8 +75,7 @@ def _logits(h_CH: torch.Tensor, w_VH: torch.Tensor, acc_dtype: torch.dtype) -> t
         else:
             _mm_out_dtype_ok = True
             return out
-    out = torch.mm(h_CH, w_VH.t())
-    return out if out.dtype == acc_dtype else out.to(acc_dtype)
+    return torch.mm(h_CH, w_VH.t()).to(logits_dtype)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -76,7 +83,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, ignore_index: int, chunk_rows: int, reduction: str,
-                compute_dtype: torch.dtype, grad_enabled: bool):
+                compute_dtype: torch.dtype, logits_dtype: torch.dtype, grad_enabled: bool):
         device_type = hidden_NH.device.type
         with torch.autocast(device_type, enabled=False):
             h_NH = hidden_NH.to(compute_dtype)
@@ -98,7 +105,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss = torch.zeros((), dtype=acc, device=h_NH.device)
             for start in range(0, n_rows, chunk_rows):
                 rows = slice(start, min(n_rows, start + chunk_rows))
-                nll_C = softmax_cross_entropy_(_logits(h_NH[rows], w_VH, acc), target_N[rows], valid_N[rows],
+                nll_C = softmax_cross_entropy_(_logits(h_NH[rows], w_VH, logits_dtype), target_N[rows], valid_N[rows],
                                                scale_N[rows], grad_NV[rows] if grad_NV is not None else None)
                 loss += nll_C.sum()
             if reduction == "mean":
@@ -120,7 +127,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grad_hidden = torch.mm(grad_NV, w_VH).mul_(grad_loss).to(hidden_dtype)
             if ctx.needs_input_grad[1]:
                 grad_weight = torch.mm(grad_NV.t(), h_NH).mul_(grad_loss).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -135,15 +142,18 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                         chunk_rows: int | None = None, reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index, reduction=reduction)`` computed on
-    fp32 logits, chunk by chunk, without materialising the full logits or their fp32 gradient.
+                         chunk_rows: int | None = None, reduction: str = "mean",
+                         logits_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=ignore_index, reduction=reduction)``
+    computed chunk by chunk, without materialising the full logits or their fp32 gradient.
 
     hidden: [..., H] (leading dims are flattened), fp32/bf16/fp16 (fp64 for references).
     weight: [V, H], the LM head's weight (no bias), same dtype as hidden (or anything under torch.autocast).
     labels: int64 with hidden.shape[:-1] elements (any shape); ``ignore_index`` marks rows without a loss.
-    chunk_rows: rows per chunk; default: about 256 MiB of fp32 logits (2048 rows at V = 32000).
+    chunk_rows: rows per chunk; default: about 256 MiB of logits (4096 rows of bf16 at V = 32000).
     reduction: "mean" (over non-ignored labels; nan when there are none) or "sum".
+    logits_dtype: None (the GEMM's dtype, as the unfused path: bf16 logits for bf16 inputs) or torch.float32 (fp32
+    logits: a loss nearer the exact one than transformers', twice the bytes). fp64 inputs keep fp64 logits.
 
     Returns a 0-dim fp32 tensor (fp64 for fp64 inputs). A label outside [0, V) other than ``ignore_index`` is not
     checked (that would sync with the host): it trips a device-side assert on CUDA, a RuntimeError on CPU.
@@ -181,15 +191,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"linear_cross_entropy: ignore_index must be an int, got {ignore_index!r}")
     compute_dtype = _compute_dtype(hidden, weight)
+    if logits_dtype not in (None, torch.float32):
+        raise ValueError(f"linear_cross_entropy: logits_dtype={logits_dtype!r}; use None (the inputs' dtype, as the "
+                         f"unfused loss) or torch.float32")
+    if compute_dtype == torch.float64 or logits_dtype is None:
+        logits_dtype = compute_dtype
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(weight.shape[0], torch.float64 if compute_dtype == torch.float64
-                                        else torch.float32)
+        chunk_rows = default_chunk_rows(weight.shape[0], logits_dtype)
     elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"linear_cross_entropy: chunk_rows must be a positive int or None, got {chunk_rows!r}")
 
     hidden_NH = hidden.reshape(n_rows, hidden.shape[-1])
     return LinearCrossEntropyFunction.apply(hidden_NH, weight, labels.reshape(n_rows), ignore_index, chunk_rows,
-                                            reduction, compute_dtype, torch.is_grad_enabled())
+                                            reduction, compute_dtype, logits_dtype, torch.is_grad_enabled())
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

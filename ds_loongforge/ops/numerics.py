@@ -165,20 +165,24 @@ def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: 
 
 def cross_entropy_checks(rows: int, vocab: int, grad_dtype: torch.dtype | None, device: str, impl: str,
                          logits_CV: torch.Tensor | None = None, ignore_frac: float = 0.3,
-                         generator: torch.Generator | None = None) -> list[CheckResult]:
+                         generator: torch.Generator | None = None,
+                         logits_dtype: torch.dtype = torch.float32) -> list[CheckResult]:
     """nll and the logits' gradient (in ``grad_dtype``; None: no gradient) of softmax_cross_entropy_(impl) vs
-    fp64, each with its 2x-PyTorch tolerance (PyTorch: the reference's fp32 log_softmax path).
+    fp64, each with its 2x-PyTorch tolerance (PyTorch: the reference's fp32 log_softmax path on the same logits).
 
-    ``logits_CV`` [rows, vocab] fp32 may be given (e.g. a strided view or huge values); otherwise 2 * randn.
+    ``logits_CV`` [rows, vocab] (any float dtype) may be given (e.g. a strided view or huge values); otherwise
+    2 * randn in ``logits_dtype``. The fp64 truth is computed from the logits as given (a bf16 chunk's values are
+    exact in fp64): what is checked is the op's arithmetic, not the rounding of the logits before it.
     Ignored rows get valid False, target 0 and scale 0; valid rows a scale in [0.5, 1.5).
     """
     kw = {"device": device, "generator": generator}
     if logits_CV is None:
-        logits_CV = 2.0 * torch.randn(rows, vocab, **kw)
+        logits_CV = (2.0 * torch.randn(rows, vocab, **kw)).to(logits_dtype)
     valid_C = torch.rand(rows, **kw) >= ignore_frac
     target_C = torch.where(valid_C, torch.randint(0, vocab, (rows,), **kw), 0)
     scale_C = torch.where(valid_C, 0.5 + torch.rand(rows, **kw), 0.0)
-    label = f"cross_entropy {impl} grad={str(grad_dtype)[6:] if grad_dtype else None} C={rows} V={vocab}"
+    label = (f"cross_entropy {impl} logits={str(logits_CV.dtype)[6:]} "
+             f"grad={str(grad_dtype)[6:] if grad_dtype else None} C={rows} V={vocab}")
 
     def run(fn, logits, scale, dtype):
         grad = torch.empty(logits.shape, dtype=dtype, device=device) if grad_dtype is not None else None
@@ -348,6 +352,10 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(cross_entropy_checks(257, 32000, d, device, impl)))
             checks.append(lambda d=dtype: _merge(cross_entropy_checks(33, 32003, d, device, impl)))
+        # bf16 logits (the default of linear_cross_entropy in a bf16 model): the vector path and the scalar one
+        for vocab in (32000, 32003):
+            checks.append(lambda v=vocab: _merge(cross_entropy_checks(257, v, torch.bfloat16, device, impl,
+                                                                      logits_dtype=torch.bfloat16)))
     elif builder_name.startswith("lf_fused_adamw_clip"):
         from ds_loongforge.ops.adamw import verify_checks  # the optimizer step's checks live beside it
 

@@ -1,5 +1,5 @@
-"""Fused softmax cross-entropy over a chunk of fp32 logits: nll and the logits' gradient (fp32/bf16/fp16) against
-fp64 within 2x PyTorch's own error, over vocabularies that hit the scalar and the vector paths; ignored rows,
+"""Fused softmax cross-entropy over a chunk of logits (fp32/bf16/fp16): nll and the logits' gradient (fp32/bf16/fp16)
+against fp64 within 2x PyTorch's own error, over vocabularies that hit the scalar and the vector paths; ignored rows,
 zero scales, no gradient, a gradient written into a row slice of a bigger buffer, strided and misaligned logits,
 huge logits, the fp64 path, the fallback to the reference, and the checks' messages; on CUDA the same plus a grid
 of more rows than 65535 and the speed against the eager path."""
@@ -17,6 +17,7 @@ from ds_loongforge.ops.numerics import cross_entropy_checks
 from tests._params import DTYPES, IMPLS, assert_checks
 
 GRAD_DTYPES = DTYPES + [pytest.param(None, id="no_grad")]
+LOGITS_DTYPES = [pytest.param(d, id=f"logits_{str(d)[6:]}") for d in (torch.float32, torch.bfloat16, torch.float16)]
 
 SHAPES = [
     pytest.param(1, 1, id="V1"),                # one class: softmax is 1, nll and gradient are exactly 0
@@ -37,10 +38,27 @@ def make_row_args(rows, vocab, device, ignore_frac=0.3):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("logits_dtype", LOGITS_DTYPES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("rows,vocab", SHAPES)
-def test_matches_fp64_within_twice_pytorch(impl, grad_dtype, rows, vocab):
-    assert_checks(cross_entropy_checks(rows, vocab, grad_dtype, impl, impl))
+def test_matches_fp64_within_twice_pytorch(impl, logits_dtype, grad_dtype, rows, vocab):
+    assert_checks(cross_entropy_checks(rows, vocab, grad_dtype, impl, impl, logits_dtype=logits_dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("vocab", [32000, 32003])
+def test_16bit_logits_are_upcast_as_the_unfused_float(impl, vocab):
+    """bf16 logits give what the same values as fp32 logits give (the op upcasts on load, as logits.float() does):
+    the same nll to fp32 summation order and the same bf16 gradient (a value may round to the neighbouring bf16
+    across a tie)."""
+    logits_bf16 = (2.0 * torch.randn(9, vocab, device=impl)).bfloat16()
+    args = make_row_args(9, vocab, impl)
+    g16, g32 = (torch.empty(9, vocab, dtype=torch.bfloat16, device=impl) for _ in range(2))
+    nll16 = softmax_cross_entropy_(logits_bf16, *args, g16, impl=impl)
+    nll32 = softmax_cross_entropy_(logits_bf16.float(), *args, g32, impl=impl)
+    assert nll16.dtype == torch.float32
+    torch.testing.assert_close(nll16, nll32, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g16.float(), g32.float(), rtol=2 ** -7, atol=1e-9)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -51,6 +69,9 @@ def test_strided_and_misaligned_logits_rows(impl, vocab):
     logits_CV = base[:, 1:vocab + 1]
     assert not logits_CV.is_contiguous()
     assert_checks(cross_entropy_checks(33, vocab, torch.bfloat16, impl, impl, logits_CV=logits_CV))
+    # bf16 rows 2 bytes past a 16-byte boundary, 8 + 4 apart: not a whole vector of 8
+    logits_bf16 = base.bfloat16()[:, 1:vocab + 1]
+    assert_checks(cross_entropy_checks(33, vocab, torch.bfloat16, impl, impl, logits_CV=logits_bf16))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -124,8 +145,11 @@ def test_fp64_runs_the_reference_exactly():
 def test_bad_inputs_name_the_value_and_fix(impl):
     x = torch.randn(4, 10, device=impl)
     target_C, valid_C, scale_C = make_row_args(4, 10, impl)
-    with pytest.raises(ValueError, match=r"logits_CV is torch.bfloat16.*pass logits_CV.float\(\)"):
-        softmax_cross_entropy_(x.bfloat16(), target_C, valid_C, scale_C, impl=impl)
+    with pytest.raises(ValueError, match=r"logits_CV is torch.int32; the op takes float32, bfloat16 or float16 .*"
+                                         r"pass logits_CV.float\(\)"):
+        softmax_cross_entropy_(x.int(), target_C, valid_C, scale_C, impl=impl)
+    with pytest.raises(ValueError, match=r"scale_C must be a torch.float32 tensor .*got torch.bfloat16"):
+        softmax_cross_entropy_(x.bfloat16(), target_C, valid_C, scale_C.bfloat16(), impl=impl)
     with pytest.raises(ValueError, match=r"unit stride along V, got strides \(1, 4\); pass logits_CV.contiguous"):
         softmax_cross_entropy_(x.t().contiguous().t(), target_C, valid_C, scale_C, impl=impl)
     with pytest.raises(ValueError, match=r"\[C, V\] tensor with V >= 1, got \(4, 0\)"):
@@ -151,8 +175,10 @@ def test_kernel_checks_name_the_values(impl):
     target_C, valid_C, scale_C = make_row_args(4, 10, impl)
     with pytest.raises(RuntimeError, match=r"unit stride along the last dimension, got shape \[10, 4\]"):
         kernel.forward(x.t(), target_C, valid_C, scale_C, None)
-    with pytest.raises(RuntimeError, match="logits must have dtype Float, got Double"):
+    with pytest.raises(RuntimeError, match="logits must be float32, float16 or bfloat16, got Double"):
         kernel.forward(x.double(), target_C, valid_C, scale_C, None)
+    with pytest.raises(RuntimeError, match="scale must have dtype Float, got BFloat16"):
+        kernel.forward(x.bfloat16(), target_C, valid_C, scale_C.bfloat16(), None)
     with pytest.raises(RuntimeError, match=r"target must be a contiguous \[C\] tensor with C = 4 .*got shape \[3\]"):
         kernel.forward(x, target_C[:3], valid_C, scale_C, None)
     with pytest.raises(RuntimeError, match=r"valid must have dtype Bool, got Long"):
@@ -203,8 +229,9 @@ def test_cuda_more_rows_than_one_grid_dimension():
 
 
 @pytest.mark.gpu
-def test_cuda_agrees_with_the_cpu_kernel():
-    logits_CV = 2.0 * torch.randn(64, 32000)
+@pytest.mark.parametrize("logits_dtype", LOGITS_DTYPES)
+def test_cuda_agrees_with_the_cpu_kernel(logits_dtype):
+    logits_CV = (2.0 * torch.randn(64, 32000)).to(logits_dtype)
     args = make_row_args(64, 32000, "cpu")
     cpu_CV, cuda_CV = torch.empty(64, 32000), torch.empty(64, 32000, device="cuda")
     nll_cpu = softmax_cross_entropy_(logits_CV, *args, cpu_CV, impl="cpu")
@@ -214,11 +241,12 @@ def test_cuda_agrees_with_the_cpu_kernel():
 
 
 @pytest.mark.gpu
-def test_cuda_chunk_is_far_faster_than_eager():
-    """The linear_cross_entropy chunk (C = 2048, V = 32000, bf16 gradient): one read of the fp32 logits and one
-    write of the gradient, against the eager path's ~0.6 ms on an H200."""
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["logits_fp32", "logits_bf16"])
+def test_cuda_chunk_is_far_faster_than_eager(logits_dtype):
+    """The linear_cross_entropy chunk (C = 2048, V = 32000, bf16 gradient): one read of the logits and one
+    write of the gradient, against the eager path's ~0.6 ms on an H200 (printed: the time of each logits dtype)."""
     rows, vocab = 2048, 32000
-    logits_CV = 2.0 * torch.randn(rows, vocab, device="cuda")
+    logits_CV = (2.0 * torch.randn(rows, vocab, device="cuda")).to(logits_dtype)
     args = make_row_args(rows, vocab, "cuda")
     grad_CV = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda")
 
@@ -234,7 +262,7 @@ def test_cuda_chunk_is_far_faster_than_eager():
 
     fused = ms(lambda: softmax_cross_entropy_(logits_CV, *args, grad_CV, impl="cuda"))
     eager = ms(lambda: cross_entropy_reference(logits_CV, *args, grad_CV))
-    moved = rows * vocab * (4 + 2)
-    print(f"C={rows} V={vocab}: fused {fused * 1e3:.1f} us ({moved / fused / 1e6:.0f} GB/s), "
+    moved = rows * vocab * (logits_CV.element_size() + 2)
+    print(f"C={rows} V={vocab} logits {logits_dtype}: fused {fused * 1e3:.1f} us ({moved / fused / 1e6:.0f} GB/s), "
           f"eager {eager * 1e3:.1f} us")
     assert fused < 0.4 * eager, (fused, eager)

@@ -1,7 +1,8 @@
 """Fused linear + cross-entropy: loss and the gradients of hidden and weight against fp64 (``F.cross_entropy`` on
 float64 logits), within 2x the error of the unfused PyTorch path in the same dtype (logits in that dtype ->
-.float() -> cross_entropy); ignored labels, chunking edge cases, reductions, validation; on CUDA: bf16, no host
-sync, and the peak memory of a Mixtral-sized LM head."""
+.float() -> cross_entropy), with the default logits (the inputs' dtype, as that path) and with fp32 logits;
+the default equal to the unfused path itself; ignored labels, chunking edge cases, reductions, validation; on
+CUDA: bf16, no host sync, and the peak memory of a Mixtral-sized LM head."""
 
 import pytest
 import torch
@@ -41,13 +42,14 @@ def run(fn, h, w, labels, cast, grad_scale=1.0, **kw):
 
 
 def lce_checks(rows, hidden, vocab, dtype, device, chunk_rows=None, reduction="mean", ignore_index=-100,
-               ignore_frac=0.3):
+               ignore_frac=0.3, logits_dtype=None):
     h, w, labels = make_inputs(rows, hidden, vocab, dtype, device, ignore_frac, ignore_index)
     kw = dict(ignore_index=ignore_index, reduction=reduction)
-    ours = run(linear_cross_entropy, h, w, labels, dtype, chunk_rows=chunk_rows, **kw)
+    ours = run(linear_cross_entropy, h, w, labels, dtype, chunk_rows=chunk_rows, logits_dtype=logits_dtype, **kw)
     ref = run(linear_cross_entropy_reference, h, w, labels, torch.float64, **kw)
     eager = run(linear_cross_entropy_reference, h, w, labels, dtype, **kw)
-    label = f"lce {device} {str(dtype)[6:]} N={rows} H={hidden} V={vocab} chunk={chunk_rows} {reduction}"
+    label = (f"lce {device} {str(dtype)[6:]} logits={str(logits_dtype)[6:] if logits_dtype else 'default'} "
+             f"N={rows} H={hidden} V={vocab} chunk={chunk_rows} {reduction}")
     results = []
     for name, o, r, e in zip(("loss", "dhidden", "dweight"), ours, ref, eager):
         assert o.dtype == (torch.float32 if name == "loss" else dtype), (name, o.dtype)
@@ -60,6 +62,34 @@ def lce_checks(rows, hidden, vocab, dtype, device, chunk_rows=None, reduction="m
 @pytest.mark.parametrize("rows,hidden,vocab,chunk_rows", SHAPES)
 def test_matches_fp64_within_twice_pytorch(device, dtype, rows, hidden, vocab, chunk_rows):
     assert_checks(lce_checks(rows, hidden, vocab, dtype, device, chunk_rows))
+
+
+@pytest.mark.parametrize("device", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_logits_within_twice_pytorch(device, dtype):
+    assert_checks(lce_checks(37, 16, 53, dtype, device, chunk_rows=8, logits_dtype=torch.float32))
+    assert_checks(lce_checks(200, 64, 1000, dtype, device, logits_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("device", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_default_logits_are_the_unfused_paths(device, dtype):
+    """By default the logits GEMM rounds to the inputs' dtype and the op upcasts, as transformers' lm_head ->
+    logits.float() -> cross_entropy does: the loss agrees with that path to fp32 summation order, and the gradients
+    to their own rounding (one ulp of the dtype)."""
+    h, w, labels = make_inputs(300, 64, 1000, dtype, device)
+    ours = run(linear_cross_entropy, h, w, labels, dtype, chunk_rows=128)
+    eager = run(linear_cross_entropy_reference, h, w, labels, dtype)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(ours[0], eager[0], rtol=2e-6, atol=0)
+    for o, e in zip(ours[1:], eager[1:]):
+        torch.testing.assert_close(o.float(), e.float(), rtol=eps, atol=eps * float(e.abs().max()))
+
+
+def test_bad_logits_dtype_names_the_choices():
+    h, w, labels = make_inputs(4, 8, 10, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"logits_dtype=torch.float16; use None .* or torch.float32"):
+        linear_cross_entropy(h, w, labels, logits_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,6 +167,7 @@ def test_autocast_matches_linear_under_autocast():
 
 def test_default_chunk_rows():
     assert default_chunk_rows(32000) == 2048          # ~256 MiB of fp32 logits
+    assert default_chunk_rows(32000, torch.bfloat16) == 4096
     assert default_chunk_rows(152064) == 256 * (((256 << 20) // (152064 * 4)) // 256)
     assert default_chunk_rows(10**9) == 1
 
@@ -167,8 +198,9 @@ def test_bad_inputs_name_the_value_and_fix():
 # --- CUDA ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_cuda_bf16_uses_fp32_gemm_output_and_beats_the_unfused_error():
+def test_cuda_bf16_within_twice_pytorch_with_either_logits():
     assert_checks(lce_checks(4096, 1024, 32000, torch.bfloat16, "cuda"))
+    assert_checks(lce_checks(4096, 1024, 32000, torch.bfloat16, "cuda", logits_dtype=torch.float32))
     assert lce_module._mm_out_dtype_ok is True, "torch.mm(..., out_dtype=torch.float32) should exist for CUDA"
 
 
@@ -176,12 +208,15 @@ def test_cuda_bf16_uses_fp32_gemm_output_and_beats_the_unfused_error():
 def test_cuda_forward_backward_never_sync_the_host():
     h, w, labels = make_inputs(3000, 256, 5000, torch.bfloat16, "cuda")
     hs, ws = h.requires_grad_(), w.requires_grad_()
-    linear_cross_entropy(hs, ws, labels, chunk_rows=1024).backward()  # warm-up (the out_dtype probe)
+    for logits_dtype in (None, torch.float32):  # warm-up (fp32: the out_dtype probe)
+        linear_cross_entropy(hs, ws, labels, chunk_rows=1024, logits_dtype=logits_dtype).backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for reduction in ("mean", "sum"):
-            linear_cross_entropy(hs, ws, labels, chunk_rows=1024, reduction=reduction).backward()
+            for logits_dtype in (None, torch.float32):
+                linear_cross_entropy(hs, ws, labels, chunk_rows=1024, reduction=reduction,
+                                     logits_dtype=logits_dtype).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
@@ -209,8 +244,8 @@ def test_cuda_peak_memory_well_below_unfused():
     fused, unfused = peak(linear_cross_entropy), peak(linear_cross_entropy_reference)
     print(f"peak above inputs: fused {fused / 2**30:.2f} GiB, unfused {unfused / 2**30:.2f} GiB")
     assert fused < 0.5 * unfused, (fused, unfused)
-    # what the fused path may hold: the bf16 logits gradient [N, V], a chunk's fp32 logits and log-softmax (+ one
-    # chunk of slack for the allocator), and the inputs' gradients (1.22 GiB measured on the H200 against 1.37)
-    chunk = default_chunk_rows(vocab) * vocab * 4
+    # what the fused path may hold: the bf16 logits gradient [N, V], a chunk's logits (256 MiB; + two chunks of
+    # slack for the allocator), and the inputs' gradients (1.22 GiB measured on the H200 against 1.37 with fp32 logits)
+    chunk = default_chunk_rows(vocab, torch.bfloat16) * vocab * 2
     bound = n * vocab * 2 + 3 * chunk + h.numel() * 2 + w.numel() * 2
     assert fused < bound, f"the fused path holds {fused / 2**30:.2f} GiB, more than {bound / 2**30:.2f} GiB"
