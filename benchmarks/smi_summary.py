@@ -5,13 +5,18 @@ bench_e2e's log ("[variant] ... (from HH:MM:SS)" / "... (to HH:MM:SS)").
 A variant's training window is the longest run of samples above --busy-watts inside its time span (start-up,
 data loading and the pre-scan draw ~125 W; training 550-700 W on the H200). Prints one markdown row per variant.
 
-    python -m benchmarks.smi_summary results/smi_mixtral.csv results/bench_e2e_mixtral.log
+With ``--json`` (the bench_e2e JSON of the same call) each row also gives the energy of a step: the window's median
+power times the variant's median step time, in J, and per 1000 tokens. At the H200's 700 W cap a step's time is
+its energy over the cap, so this is what a change must lower there.
+
+    python -m benchmarks.smi_summary results/smi_mixtral.csv results/bench_e2e_mixtral.log [--json results/bench_e2e_mixtral.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import statistics
 from datetime import datetime
@@ -71,21 +76,44 @@ def summarize(csv_text: str, log_text: str, busy_watts: float = 300.0) -> list[d
     return out
 
 
+def add_energy(rows: list[dict], bench: dict) -> list[dict]:
+    """Each row with a median power gets ``joules_per_step`` (median W x the variant's median step s) and
+    ``joules_per_ktoken``, from the bench_e2e JSON of the same call."""
+    by_variant = {r["variant"]: r for r in bench.get("results", [])}
+    for row in rows:
+        res = by_variant.get(row["variant"], {})
+        step_ms, tok_s = res.get("median_step_ms"), res.get("tokens_per_s")
+        if row.get("samples") and step_ms:
+            row["joules_per_step"] = round(row["power_w_median"] * step_ms / 1e3, 1)
+            if tok_s:
+                row["joules_per_ktoken"] = round(row["power_w_median"] / tok_s * 1e3, 3)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", type=Path)
     parser.add_argument("log", type=Path)
+    parser.add_argument("--json", type=Path, default=None, help="bench_e2e JSON of the same call: adds J per step")
     parser.add_argument("--busy-watts", type=float, default=300.0)
     args = parser.parse_args()
     rows = summarize(args.csv.read_text(), args.log.read_text(), args.busy_watts)
-    print("| variant | training samples | SM clock MHz (median / min) | power W (median) | max temp C |")
-    print("|---|---:|---|---:|---:|")
+    energy = args.json is not None
+    if energy:
+        rows = add_energy(rows, json.loads(args.json.read_text()))
+    extra_head, extra_rule = (" J per step | J per 1k tokens |", "---:|---:|") if energy else ("", "")
+    print(f"| variant | training samples | SM clock MHz (median / min) | power W (median) | max temp C |{extra_head}")
+    print(f"|---|---:|---|---:|---:|{extra_rule}")
     for r in rows:
+        extra = ""
+        if energy:
+            extra = (f" {r['joules_per_step']:.1f} | {r.get('joules_per_ktoken', float('nan')):.3f} |"
+                     if "joules_per_step" in r else " – | – |")
         if not r["samples"]:
-            print(f"| {r['variant']} | 0 | – | – | – |")
+            print(f"| {r['variant']} | 0 | – | – | – |{extra}")
         else:
             print(f"| {r['variant']} | {r['samples']} | {r['sm_mhz_median']:.0f} / {r['sm_mhz_min']:.0f} | "
-                  f"{r['power_w_median']:.0f} | {r['temp_c_max']:.0f} |")
+                  f"{r['power_w_median']:.0f} | {r['temp_c_max']:.0f} |{extra}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """benchmarks/smi_summary.py on a synthetic nvidia-smi CSV and bench_e2e log: each variant's training window is
-the longest high-power run inside its time span, start-up samples and other variants' samples left out."""
+the longest high-power run inside its time span, start-up samples and other variants' samples left out; the energy
+of a step from the window's power and the bench's median step time."""
 
-from benchmarks.smi_summary import summarize
+from benchmarks.smi_summary import add_energy, summarize
 
 
 def _csv(rows):
@@ -25,3 +26,16 @@ def test_each_variant_gets_its_own_busy_window():
     assert by["loongforge"]["sm_mhz_min"] == 1500 and by["loongforge"]["power_w_median"] == 694.0
     assert by["loongforge"]["temp_c_max"] == 62
     assert by["broken"] == {"variant": "broken", "samples": 0}
+
+
+def test_energy_per_step_is_median_power_times_median_step():
+    rows = [{"variant": "stock", "samples": 3, "power_w_median": 600.0},
+            {"variant": "loongforge", "samples": 2, "power_w_median": 700.0},
+            {"variant": "broken", "samples": 0}]
+    bench = {"results": [{"variant": "stock", "median_step_ms": 150.0, "tokens_per_s": 50000.0},
+                         {"variant": "loongforge", "median_step_ms": 70.0, "tokens_per_s": None},
+                         {"variant": "broken", "median_step_ms": None}]}
+    by = {r["variant"]: r for r in add_energy(rows, bench)}
+    assert by["stock"]["joules_per_step"] == 90.0 and by["stock"]["joules_per_ktoken"] == 12.0
+    assert by["loongforge"]["joules_per_step"] == 49.0 and "joules_per_ktoken" not in by["loongforge"]
+    assert "joules_per_step" not in by["broken"]
