@@ -9,7 +9,8 @@ With ``--json`` (the bench_e2e JSON of the same call) each row also gives the en
 power times the variant's median step time, in J, and per 1000 tokens. At the H200's 700 W cap a step's time is
 its energy over the cap, so this is what a change must lower there.
 
-    python -m benchmarks.smi_summary results/smi_mixtral.csv results/bench_e2e_mixtral.log [--json results/bench_e2e_mixtral.json]
+    python -m benchmarks.smi_summary results/smi_mixtral.csv results/bench_e2e_mixtral.log \
+        [--json results/bench_e2e_mixtral.json]
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ class FusedKernelsConfig(_Section):
                        "cannot take still run transformers' function.")
     linear_cross_entropy: bool = Field(True, strict=True, description="Compute a causal LM's training loss with the "
                                        "fused LM head + cross-entropy (ds_loongforge.ops.linear_cross_entropy: "
-                                       "chunked, no full logits or fp32 copy of them). Training forwards with labels then return "
-                                       "logits=None (the loss, and the MoE aux loss, are as transformers computes "
-                                       "them); forwards without labels, in eval mode or without grad are unchanged.")
+                                       "chunked, no full logits or fp32 copy of them). Training forwards with "
+                                       "labels then return logits=None (the loss, and the MoE aux loss, are as "
+                                       "transformers computes them); forwards without labels, in eval mode or "
+                                       "without grad are unchanged.")
 
 
 # a standalone ExpertMaskedMoE built from the section (layer_kwargs) when the block leaves the coefficients unset

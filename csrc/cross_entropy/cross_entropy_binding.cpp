@@ -22,6 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("device") = LF_DEVICE;
     m.def("forward", &loongforge::LF_CROSS_ENTROPY, py::arg("logits"), py::arg("target"), py::arg("valid"),
           py::arg("scale"), py::arg("grad"),
-          "per row of logits [C, V] (fp32/bf16/fp16; fp32 math): fp32 nll[C] (0 on rows not valid); with grad [C, V] given, writes "
-          "(softmax - onehot(target)) * scale into it");
+          "per row of logits [C, V] (fp32/bf16/fp16; fp32 math): fp32 nll[C] (0 on rows not valid); with grad "
+          "[C, V] given, writes (softmax - onehot(target)) * scale into it");
 }

@@ -11,9 +11,9 @@ log(sum(exp(x - max(x)))) in fp32:
 The gradient is written, cast once, into ``grad_CV`` (fp32/bf16/fp16; typically a row slice of a bigger [N, V]
 buffer). 16-bit logits are upcast on load, as the unfused ``logits.float()`` does, so the loss is the one transformers
 computes from the same bf16 logits. The CUDA kernel reads each row from HBM once and writes the gradient once, where
-the eager sequence (log_softmax, gather, exp_, scatter_add_, mul) reads and writes [C, V] fp32 several times. Ignored rows carry
-target 0, valid False and scale 0 (the caller maps them; nothing here selects rows by a boolean mask, so nothing
-synchronises with the host). fp64 logits run :func:`cross_entropy_reference` (no kernel).
+the eager sequence (log_softmax, gather, exp_, scatter_add_, mul) reads and writes [C, V] fp32 several times.
+Ignored rows carry target 0, valid False and scale 0 (the caller maps them; nothing here selects rows by a boolean
+mask, so nothing synchronises with the host). fp64 logits run :func:`cross_entropy_reference` (no kernel).
 """
 
 from __future__ import annotations
