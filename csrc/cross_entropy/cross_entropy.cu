@@ -12,12 +12,17 @@
 // per-thread online (max, sum) and reduces the pairs over the block; pass 2 reads the row again, back to front so
 // that it starts with what pass 1 read last, which L2 most likely still holds, and writes the gradient. The block
 // size shrinks with V, so small vocabularies do not idle 512 threads per row.
+// Rows of at most kRegGroups vectors per thread take cross_entropy_regs_kernel instead: one read, the row kept in
+// registers (see there). The streaming kernel handles longer rows and the scalar (misaligned) path.
 // Measured on an H200 (C = 2048, V = 32000, fp32 logits, bf16 gradient): 156 us, against 93 us for a plain copy
 // of the same bytes (read fp32, write bf16) and 640 us for the eager path. The gap is pass 2's re-read: with ~500
 // rows of 128 KB in flight only part of them stays in L2. Blocks of 256 or 1024 threads were slower at V = 32000
 // and V = 152064. 16-bit logits (what the unfused path of a bf16 model computes: its logits GEMM writes bf16) are
 // read 16 bytes (8 values) at a time, half the bytes of fp32 per row.
+#include <cuda_fp16.h>
+
 #include <cmath>
+#include <type_traits>
 
 #include "cross_entropy_checks.h"
 #include "lf_cuda_utils.cuh"
@@ -80,6 +85,25 @@ __device__ __forceinline__ void load_group(const X* __restrict__ x, int64_t i, f
         const Vec<X, W> q = load_vec<X, W>(x + i * W);
 #pragma unroll
         for (int j = 0; j < W; ++j) v[j] = static_cast<float>(q.val[j]);
+    }
+}
+
+// Logit j of a 16-byte vector of X held as raw words, as fp32 (j is a compile-time index after unrolling). The
+// register-resident kernel keeps its row as raw words, not converted values: see there.
+template <typename X>
+__device__ __forceinline__ float lane(const uint4& v, int j) {
+    constexpr int per_word = 4 / static_cast<int>(sizeof(X));
+    const int k = j / per_word;
+    const uint32_t word = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+    if constexpr (per_word == 1) {
+        return __uint_as_float(word);
+    } else {
+        const uint32_t bits = (j % 2) ? (word >> 16) : (word & 0xffffu);  // little-endian: element 0 is the low half
+        if constexpr (std::is_same_v<X, c10::BFloat16>) {
+            return __uint_as_float(bits << 16);  // bf16 is the top half of an fp32
+        } else {
+            return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+        }
     }
 }
 
@@ -156,6 +180,71 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
 }
 
+// The row held in registers: when a row is at most kRegGroups vectors per thread (bf16/fp16 up to V = 32768 with
+// 512 threads, fp32 up to 16384), each thread keeps its loaded vectors (kRegGroups x 16 bytes = 32 registers)
+// through the block reduction and computes the gradient from them, so the row is read from memory once, where the
+// streaming kernel above reads it twice. Same preconditions as the VEC path; each thread visits its groups in the
+// streaming kernel's order (threadIdx.x, + blockDim.x, ...), so for a given block size both give the same bits.
+constexpr int kRegGroups = 8;
+
+template <typename X, typename G>
+__global__ void __launch_bounds__(kMaxThreads, 2)  // <= 64 registers: two 512-thread rows per SM
+    cross_entropy_regs_kernel(const X* __restrict__ x_all, int64_t x_stride, const int64_t* __restrict__ target,
+                              const bool* __restrict__ valid, const float* __restrict__ scale,
+                              float* __restrict__ nll, G* __restrict__ grad_all, int64_t grad_stride, int64_t vocab) {
+    constexpr int W = vec_width<X>();
+    __shared__ MaxSum smem[kMaxThreads / 32];
+    const int64_t r = blockIdx.x;
+    const X* x = x_all + r * x_stride;
+    const int64_t t = target[r];
+    const int n = static_cast<int>(vocab / W);  // <= kRegGroups * kMaxThreads
+    const int step = blockDim.x;
+
+    uint4 q[kRegGroups];  // the row's vectors as raw words
+#pragma unroll
+    for (int u = 0; u < kRegGroups; ++u) {
+        const int i = threadIdx.x + u * step;
+        q[u] = i < n ? *reinterpret_cast<const uint4*>(x + static_cast<int64_t>(i) * W) : make_uint4(0, 0, 0, 0);
+    }
+    MaxSum acc{-INFINITY, 0.f};
+#pragma unroll
+    for (int u = 0; u < kRegGroups; ++u) {
+        if (threadIdx.x + u * step < n) {
+            float v[W];
+#pragma unroll
+            for (int j = 0; j < W; ++j) v[j] = lane<X>(q[u], j);
+            add_values<W>(acc, v);
+        }
+    }
+    const MaxSum row = block_max_sum(acc, smem);
+    const float log_sum = logf(row.sum);
+    if (threadIdx.x == 0) {
+        CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
+        nll[r] = valid[r] ? log_sum - (static_cast<float>(x[t]) - row.max) : 0.f;
+    }
+    if (grad_all == nullptr) return;
+
+    // Opaque to the compiler from here: it converts the raw words again instead of keeping all W * kRegGroups
+    // converted values alive across the reduction (for bf16 that took 96 registers, or spilled under the bound).
+#pragma unroll
+    for (int u = 0; u < kRegGroups; ++u) asm volatile("" : "+r"(q[u].x), "+r"(q[u].y), "+r"(q[u].z), "+r"(q[u].w));
+    const float s = scale[r];
+    G* g = grad_all + r * grad_stride;
+#pragma unroll
+    for (int u = 0; u < kRegGroups; ++u) {
+        const int i = threadIdx.x + u * step;
+        if (i >= n) break;
+        Vec<G, W> out;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+            const float p = expf((lane<X>(q[u], j) - row.max) - log_sum) -
+                            (static_cast<int64_t>(i) * W + j == t ? 1.f : 0.f);
+            out.val[j] = static_cast<G>(p * s);
+        }
+        store_vec<G, W>(g + static_cast<int64_t>(i) * W, out);
+    }
+}
+
 int threads_for(int64_t units_per_row) {
     int threads = 32;
     while (threads < kMaxThreads && static_cast<int64_t>(threads) * kVecsPerThread < units_per_row) threads <<= 1;
@@ -189,6 +278,12 @@ at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& target
                                 (!with_grad || (g_stride % W == 0 && reinterpret_cast<uintptr_t>(g) % g_align == 0));
             auto launch = [&]<bool VEC>() {
                 const int threads = threads_for(VEC ? vocab / W : vocab);
+                if (VEC && vocab / W <= static_cast<int64_t>(threads) * kRegGroups) {
+                    cross_entropy_regs_kernel<X, G><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+                        logits.data_ptr<X>(), logits.stride(0), target.data_ptr<int64_t>(), valid.data_ptr<bool>(),
+                        scale.data_ptr<float>(), nll.data_ptr<float>(), g, g_stride, vocab);
+                    return;
+                }
                 cross_entropy_kernel<X, G, VEC><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
                     logits.data_ptr<X>(), logits.stride(0), target.data_ptr<int64_t>(), valid.data_ptr<bool>(),
                     scale.data_ptr<float>(), nll.data_ptr<float>(), g, g_stride, vocab);
