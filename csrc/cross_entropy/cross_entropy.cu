@@ -13,7 +13,9 @@
 // that it starts with what pass 1 read last, which L2 most likely still holds, and writes the gradient. The block
 // size shrinks with V, so small vocabularies do not idle 512 threads per row.
 // Rows of at most kRegGroups vectors per thread take cross_entropy_regs_kernel instead: one read, the row kept in
-// registers (see there). The streaming kernel handles longer rows and the scalar (misaligned) path.
+// registers (see there); on the H200 a bf16 chunk (C = 2048, V = 32000, bf16 gradient) took 115 us that way and
+// 131 us streaming (2274 and 2000 GB/s of read + write). The streaming kernel handles longer rows and the scalar
+// (misaligned) path.
 // Measured on an H200 (C = 2048, V = 32000, fp32 logits, bf16 gradient): 156 us, against 93 us for a plain copy
 // of the same bytes (read fp32, write bf16) and 640 us for the eager path. The gap is pass 2's re-read: with ~500
 // rows of 128 KB in flight only part of them stays in L2. Blocks of 256 or 1024 threads were slower at V = 32000
