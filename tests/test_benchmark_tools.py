@@ -1,7 +1,14 @@
 """benchmarks/smi_summary.py on a synthetic nvidia-smi CSV and bench_e2e log: each variant's training window is
 the longest high-power run inside its time span, start-up samples and other variants' samples left out; the energy
-of a step from the window's power and the bench's median step time."""
+of a step from the window's power and the bench's median step time; benchmarks/loss_summary.py's per-call eval-loss
+differences from stock, their mean and sd, and the calls a bound on the mean would need."""
 
+import json
+import math
+
+import pytest
+
+from benchmarks.loss_summary import call_commit, collect, summary_rows
 from benchmarks.smi_summary import add_energy, summarize
 
 
@@ -39,3 +46,30 @@ def test_energy_per_step_is_median_power_times_median_step():
     assert by["stock"]["joules_per_step"] == 90.0 and by["stock"]["joules_per_ktoken"] == 12.0
     assert by["loongforge"]["joules_per_step"] == 49.0 and "joules_per_ktoken" not in by["loongforge"]
     assert "joules_per_step" not in by["broken"]
+
+
+def _bench(path, shape, losses, data="text", steps=100, commit="abcdef1"):
+    meta = {"shape_name": shape, "data": data, "steps": steps, "env": {"commit": commit},
+            "results": [{"variant": v, "eval_loss": loss} for v, loss in losses.items()]}
+    path.write_text(json.dumps(meta))
+    return path
+
+
+def test_loss_summary_differences_from_stock_per_call(tmp_path):
+    paths = [_bench(tmp_path / "a.json", "mixtral", {"stock": 2.0, "autoep": 2.02, "loongforge": 1.9}),
+             _bench(tmp_path / "b.json", "mixtral", {"stock": 2.5, "autoep": 2.45, "loongforge": None}),
+             _bench(tmp_path / "c.json", "mixtral", {"stock": 2.0, "autoep": 3.0}, data="random"),  # left out
+             _bench(tmp_path / "d.json", "mixtral", {"stock": 2.0, "autoep": 3.0}, steps=12),       # left out
+             _bench(tmp_path / "e.json", "mixtral", {"autoep": 3.0})]                                # no stock
+    diffs = collect(paths)
+    assert diffs[("mixtral", "autoep")] == pytest.approx([1.0, -2.0])
+    assert diffs[("mixtral", "loongforge")] == pytest.approx([-5.0])
+    assert diffs[("mixtral", "stock")] == [2.0, 2.5]
+    rows = {r["variant"]: r for r in summary_rows(diffs, resolve=0.3)}
+    assert rows["autoep"]["mean"] == pytest.approx(-0.5) and rows["autoep"]["calls"] == 2
+    sd = rows["autoep"]["sd"]
+    assert sd == pytest.approx(2.1213, abs=1e-4)
+    assert rows["autoep"]["calls_to_resolve"] == math.ceil((2 * sd / 0.3) ** 2)  # ~200: 2 SE of the mean <= 0.3
+    assert "calls_to_resolve" not in rows["loongforge"]  # one call: no spread to go on
+    assert call_commit({"env": {"commit": "1234abc"}}, tmp_path / "x.json") == "1234abc"
+    assert call_commit({}, tmp_path / "bench_e2e_mixtral_5b2680a_stock_order.json") == "5b2680a"
