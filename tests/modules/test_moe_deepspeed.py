@@ -142,13 +142,18 @@ def test_ep_size_needs_a_bound_group():
 # global gradient norm and clipping under expert parallelism
 
 
-def _norm_worker(rank, world, port, runs, seed, out_dir):
+def _norm_worker(rank, world, port, runs, seed, out_dir, batch_world=None):
+    """Each run's norms and parameters after every step. ``batch_world`` > ``world``: the batches of that many
+    ranks, all on this one (world 1: the single-process run of the same DeepSpeed configuration)."""
     _setup_env(rank, world, port)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     from deepspeed.utils import groups
 
     reference = _reference(seed)
-    batches = _batches(world, seed)
+    batches = _batches(batch_world or world, seed)
+    if batch_world not in (None, world):
+        assert world == 1, "a worker holds either its own rank's batch or, alone, every rank's"
+        batches = [(x.reshape(1, -1, H), target.reshape(1, -1, H)) for x, target in batches]
     results = {}
     for ep_size, stage, dtype in runs:
         net = _deepspeed_net(reference, ep_size, rank % ep_size)   # dist is up: the layer binds its group now
@@ -194,14 +199,17 @@ def _assert_rank_matches_reference(got: dict, want: dict, rank: int, ep_size: in
         torch.testing.assert_close(value, expected, **tol, msg=lambda m, n=name: f"{what}, rank {rank}, {n}: {m}")
 
 
-# (norm rel. tolerance, parameter tolerance) against the fp32 reference; bf16 rounds weights and gradients,
-# and its norm would still be 15-20% low without the expert gradients (DeepSpeed's unfused 16-bit path)
-TOLERANCES = {"fp32": (1e-5, {"rtol": 1e-5, "atol": 1e-6}), "bf16": (2e-2, {"rtol": 0.0, "atol": 1e-2})}
+# (norm rel. tolerance, parameter tolerance) against the single-process reference of the same dtype: fp32
+# against torch in one process; bf16 against DeepSpeed's own bf16 engine in one process (ep_size 1, every rank's
+# tokens), since against fp32 a bf16 run may route a token of a near-tie to another expert after an update
+# (seed 954112858: the third step's norm 3.8% off, the first two 0.17%). Without the expert gradients the norm of
+# DeepSpeed's unfused 16-bit path would be 15-20% low.
+TOLERANCES = {"fp32": (1e-5, {"rtol": 1e-5, "atol": 1e-6}), "bf16": (5e-3, {"rtol": 0.0, "atol": 1e-2})}
 
 
 @pytest.mark.parametrize("world,runs", [
     # ep = world: each rank holds half the experts; ZeRO 0/1/2 in fp32, and bf16 without ZeRO (DeepSpeed's
-    # FP16_UnfusedOptimizer for a client optimizer) and with ZeRO-2
+    # FP16_UnfusedOptimizer for a client optimizer) and with ZeRO-2, each against the same engine in one process
     pytest.param(2, [(2, 0, "fp32"), (2, 1, "fp32"), (2, 2, "fp32"), (2, 0, "bf16"), (2, 2, "bf16")], id="world2"),
     # ep 2: expert-data-parallel pairs {0,2}, {1,3} hold the same experts; ep 4 = world
     pytest.param(4, [(ep, stage, "fp32") for ep in (2, 4) for stage in (0, 1, 2)], id="world4"),
@@ -209,14 +217,26 @@ TOLERANCES = {"fp32": (1e-5, {"rtol": 1e-5, "atol": 1e-6}), "bf16": (2e-2, {"rto
 def test_global_grad_norm_and_clipping_match_single_process(world, runs, tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
     _spawn(_norm_worker, world, runs, seed, str(tmp_path))
-    want_norms, want_params = _reference_run(seed, world)
-    assert min(want_norms) > CLIP   # clipping is active on every step
+    want = {"fp32": _reference_run(seed, world)}
+    assert min(want["fp32"][0]) > CLIP   # clipping is active on every step
+    bf16_stages = sorted({stage for _, stage, dtype in runs if dtype == "bf16"})
+    if bf16_stages:
+        (tmp_path / "single").mkdir()
+        _spawn(_norm_worker, 1, [(1, stage, "bf16") for stage in bf16_stages], seed, str(tmp_path / "single"),
+               world)
+        single = torch.load(tmp_path / "single" / "norm0.pt")
+        assert min(min(r["norms"]) for r in single.values()) > CLIP
     for rank in range(world):
         results = torch.load(tmp_path / f"norm{rank}.pt")
         assert list(results) == runs
         for (ep_size, stage, dtype), result in results.items():
             what = f"ep_size {ep_size}, ZeRO-{stage}, {dtype}"
             norm_rel, param_tol = TOLERANCES[dtype]
+            if dtype == "bf16":
+                ref = single[1, stage, "bf16"]
+                want_norms, want_params = ref["norms"], ref["params"]
+            else:
+                want_norms, want_params = want["fp32"]
             assert result["norms"] == pytest.approx(want_norms, rel=norm_rel), f"{what}, rank {rank}"
             for step, params in enumerate(result["params"]):
                 _assert_rank_matches_reference(params, want_params[step], rank, ep_size, f"{what}, step {step}",
