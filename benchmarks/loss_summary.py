@@ -23,9 +23,8 @@ from pathlib import Path
 
 
 def call_commit(meta: dict, path: Path) -> str | None:
-    """The commit a bench_e2e JSON was measured at: its environment's git commit, else the name's last field."""
-    env = meta.get("env") or {}
-    commit = env.get("commit") or env.get("git_commit")
+    """The commit a bench_e2e JSON was measured at: its environment's commit, else the name's hex field."""
+    commit = (meta.get("env") or {}).get("commit")
     if commit:
         return str(commit)
     parts = path.stem.split("_")

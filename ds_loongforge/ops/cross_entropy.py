@@ -34,7 +34,7 @@ def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, val
 
     This is also the unfused path that ``linear_cross_entropy`` runs for fp64 and when the kernel is unavailable.
     """
-    acc = _acc_dtype(logits_CV.dtype)
+    acc = accumulation_dtype(logits_CV.dtype)
     logp_CV = torch.log_softmax(logits_CV.to(acc), dim=1)
     target_C1 = target_C.unsqueeze(1)
     nll_C = torch.where(valid_C, logp_CV.gather(1, target_C1).squeeze(1).neg(), 0.0)
@@ -45,8 +45,9 @@ def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, val
     return nll_C
 
 
-def _acc_dtype(logits_dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the loss is computed in for logits (or inputs) of ``dtype``: fp64 for fp64, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_args(logits_CV, target_C, valid_C, scale_C, grad_CV) -> None:
@@ -62,7 +63,7 @@ def _check_args(logits_CV, target_C, valid_C, scale_C, grad_CV) -> None:
                          f"pass logits_CV.contiguous()")
     rows = logits_CV.shape[0]
     for arg, t, dtype in (("target_C", target_C, torch.int64), ("valid_C", valid_C, torch.bool),
-                          ("scale_C", scale_C, _acc_dtype(logits_CV.dtype))):
+                          ("scale_C", scale_C, accumulation_dtype(logits_CV.dtype))):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != (rows,):
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: {arg} must be a {dtype} tensor of shape ({rows},) (one per logits row), "

@@ -40,7 +40,7 @@ import logging
 
 import torch
 
-from ds_loongforge.ops.cross_entropy import softmax_cross_entropy_
+from ds_loongforge.ops.cross_entropy import accumulation_dtype, softmax_cross_entropy_
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -89,7 +89,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             h_NH = hidden_NH.to(compute_dtype)
             w_VH = weight_VH.to(compute_dtype)
             n_rows, vocab = h_NH.shape[0], w_VH.shape[0]
-            acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+            acc = accumulation_dtype(compute_dtype)
 
             valid_N = labels_N != ignore_index
             target_N = torch.where(valid_N, labels_N, 0)  # ignored rows point at class 0
