@@ -19,6 +19,10 @@ class _Section(BaseModel):
 class FusedKernelsConfig(_Section):
     rmsnorm: bool = Field(True, description="Replace RMSNorm modules with the fused RMSNorm kernel.")
     swiglu: bool = Field(True, description="Replace SwiGLU MLPs with one gate_up GEMM + the fused SwiGLU(+dropout) kernel.")
+    qkv: bool = Field(True, strict=True, description="Compute each attention's q_proj, k_proj and v_proj with one "
+                      "GEMM over their concatenated weights (ds_loongforge.modules.qkv; the three Linears, their "
+                      "Parameters and state-dict keys stay). Any call the fused product cannot serve runs the "
+                      "Linear alone.")
     rope: bool = Field(True, strict=True, description="Replace the family's rotary embedding function with "
                        "Liger-Kernel's fused RoPE on CUDA (process-wide patch of "
                        "modeling_<family>.apply_rotary_pos_emb; needs liger-kernel). CPU tensors and inputs Liger "

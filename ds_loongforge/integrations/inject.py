@@ -1,5 +1,6 @@
-"""``inject(model, config)``: swap a transformers model's RMSNorm, SwiGLU MLP and MoE modules for ours, and its
-family's rotary embedding function for Liger-Kernel's fused RoPE.
+"""``inject(model, config)``: swap a transformers model's RMSNorm, SwiGLU MLP and MoE modules for ours, fuse its
+attentions' q/k/v projections into one GEMM, and replace its family's rotary embedding function with
+Liger-Kernel's fused RoPE.
 
 Legend (shape suffixes): T tokens, H hidden, I expert intermediate size, E experts, K experts per token.
 
@@ -15,6 +16,10 @@ What each replacement keeps, so that training learns what the stock model would:
   is an instance of the family's router class (``_can_record_outputs``). Our router is re-classed as a
   subclass of both TopKRouter and that class, its forward returns the logits first, as the family's does,
   and hooks already on the replaced modules move to their replacements.
+
+With ``fused_kernels.qkv`` an attention's q_proj, k_proj and v_proj (nn.Linear modules on one input) are
+re-classed in place as FusedQKVLinear: one GEMM computes the three (``ds_loongforge.modules.qkv``); the modules
+and Parameters are the model's own.
 
 The rotary embedding is a function, not a module: with ``fused_kernels.rope`` (and liger-kernel installed, a
 CUDA device visible), ``modeling_<family>.apply_rotary_pos_emb`` of each family in the model becomes a wrapper
@@ -45,6 +50,7 @@ from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_conf
 from ds_loongforge.integrations.fused_loss import KIND_FUSED_LOSS, install_fused_loss, uses_fused_loss  # noqa: F401
 from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
 from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP
+from ds_loongforge.modules.qkv import FusedQKVLinear, fuse_qkv, qkv_problem
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -53,6 +59,7 @@ KIND_MLP = "fused SwiGLU MLP"
 KIND_MOE = "ExpertMaskedMoE"
 KIND_MOE_EP = "DeepSpeedExpertMaskedMoE"
 KIND_ROPE = "fused RoPE"
+KIND_QKV = "fused QKV projection"
 KIND_BALANCING = "load-balancing loss without host sync"
 OP_IMPL = "auto"
 # class-name endings of modules that look replaceable: listed as not replaced when no preset covers them
@@ -130,7 +137,7 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         logger.info(report.summary())
         return report
     apply_op_settings(config)
-    ours = (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE)
+    ours = (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE, FusedQKVLinear)
     report.already_injected = sum(isinstance(m, ours) for m in model.modules())
 
     active = [(preset, classes) for preset in PRESETS if (classes := preset.resolve()) is not None]
@@ -176,6 +183,21 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
             _swap(model, path, module, ours_cls.from_hf(module, impl=OP_IMPL).train(module.training))
             families[preset.name] += 1
             report.replaced[kind] = report.replaced.get(kind, 0) + 1
+
+    attention_types = {classes[name]: p for p, classes in active for name in p.attention}
+    for path, module in _snapshot(model):
+        preset = attention_types.get(type(module))
+        if preset is None:
+            continue
+        reason = "fused_kernels.qkv is false" if not config.fused_kernels.qkv else qkv_problem(module)
+        if reason:
+            report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
+            continue
+        if isinstance(module.q_proj, FusedQKVLinear):
+            continue  # a repeat inject
+        fuse_qkv(module)
+        families[preset.name] += 1
+        report.replaced[KIND_QKV] = report.replaced.get(KIND_QKV, 0) + 1
 
     _patch_rope(model, config, report, families)
     _patch_balancing(model, config, report)

@@ -11,9 +11,10 @@ import transformers
 from torch import nn
 
 from ds_loongforge.config import LoongForgeConfig
-from ds_loongforge.integrations.inject import (KIND_MLP, KIND_MOE, KIND_MOE_EP, KIND_RMSNORM, InjectionReport,
-                                               SharedExpertsMixin, inject)
+from ds_loongforge.integrations.inject import (KIND_MLP, KIND_MOE, KIND_MOE_EP, KIND_QKV, KIND_RMSNORM,
+                                               InjectionReport, SharedExpertsMixin, inject)
 from ds_loongforge.modules import ExpertMaskedMoE, FusedRMSNorm, FusedSwiGLUMLP
+from ds_loongforge.modules.qkv import FusedQKVLinear
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -24,21 +25,21 @@ MOE_RTOL, ATOL = 1e-5, 1e-6
 FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
-                {KIND_MOE: 2, KIND_RMSNORM: 5}),
+                {KIND_MOE: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
     # layer 1 dense (mlp_only_layers), shared expert with its sigmoid gate, no renormalisation
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
                        output_router_logits=True),
-                  {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 5}),
+                  {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
     # q/k norms over the head dimension are RMSNorms too
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                        norm_topk_prob=True, head_dim=8, output_router_logits=True),
-                  {KIND_MOE: 2, KIND_RMSNORM: 9}),
+                  {KIND_MOE: 2, KIND_RMSNORM: 9, KIND_QKV: 2}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, output_router_logits=True),
-              {KIND_MOE: 2, KIND_RMSNORM: 9}),
+              {KIND_MOE: 2, KIND_RMSNORM: 9, KIND_QKV: 2}),
     # layer 0 dense, layer 1 MoE: sigmoid router, 2 groups (1 kept), bias, scaling factor, one shared expert
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
@@ -47,10 +48,11 @@ FAMILIES = {
                          qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4),
                     {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 9}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=48, mlp_bias=True),
-              {KIND_MLP: 2, KIND_RMSNORM: 5}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=48), {KIND_MLP: 2, KIND_RMSNORM: 5}),
+              {KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=48),
+              {KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=48, head_dim=8),
-              {KIND_MLP: 2, KIND_RMSNORM: 9}),
+              {KIND_MLP: 2, KIND_RMSNORM: 9, KIND_QKV: 2}),
 }
 ENABLED = {"loongforge": {"enabled": True}}
 
@@ -87,11 +89,15 @@ def test_injected_model_matches_stock(family):
     kinds = {FusedRMSNorm: KIND_RMSNORM, FusedSwiGLUMLP: KIND_MLP, ExpertMaskedMoE: KIND_MOE}
     for cls, kind in kinds.items():
         assert sum(isinstance(m, cls) for m in injected.modules()) == report.replaced.get(kind, 0)
+    assert sum(isinstance(m, FusedQKVLinear) for m in injected.modules()) == 3 * report.replaced.get(KIND_QKV, 0)
 
     ids = torch.randint(0, VOCAB, (2, 12))
     ref, out = run(stock, ids), run(injected, ids)
     torch.testing.assert_close(out.logits, ref.logits, rtol=MOE_RTOL, atol=ATOL)
     torch.testing.assert_close(out.loss, ref.loss, rtol=MOE_RTOL, atol=ATOL)
+    groups = {id(m.__dict__["_lf_qkv"]): m.__dict__["_lf_qkv"] for m in injected.modules()
+              if isinstance(m, FusedQKVLinear)}
+    assert all(g.fused_calls >= 1 for g in groups.values())  # each attention's projections ran as one product
     if getattr(ref, "aux_loss", None) is not None:  # router logits recorded through our router
         torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=MOE_RTOL, atol=ATOL)
 
@@ -225,20 +231,21 @@ def test_disabled_changes_nothing(config):
 
 def test_switches_off_are_reported():
     model = build("qwen2_moe")
-    report = inject(model, {"enabled": True, "fused_kernels": {"rmsnorm": False, "swiglu": False},
+    report = inject(model, {"enabled": True, "fused_kernels": {"rmsnorm": False, "swiglu": False, "qkv": False},
                             "moe": {"expert_masked": False}})
     assert report.total_replaced == 0
     reasons = {reason for _, reason in report.not_replaced}
     assert any("fused_kernels.rmsnorm is false" in r for r in reasons)
     assert any("fused_kernels.swiglu is false" in r for r in reasons)
     assert any("moe.expert_masked is false" in r for r in reasons)
-    assert len(report.not_replaced) == 5 + 2 + 1  # norms, MLPs (dense layer 1, shared expert of 0), MoE block
+    assert any("fused_kernels.qkv is false" in r for r in reasons)
+    assert len(report.not_replaced) == 5 + 2 + 1 + 2  # norms, MLPs (dense layer 1, shared expert of 0), MoE, attentions
 
 
 def test_expert_parallel_without_distributed_is_reported():
     model = build("mixtral")
     report = inject(model, {"enabled": True, "moe": {"ep_size": 2}})
-    assert report.replaced == {KIND_RMSNORM: 5}
+    assert report.replaced == {KIND_RMSNORM: 5, KIND_QKV: 2}
     assert [p for p, _ in report.not_replaced] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert "torch.distributed" in report.not_replaced[0][1]
 
@@ -267,8 +274,8 @@ def test_second_inject_says_already_injected():
     model = build("llama")
     inject(model, ENABLED)
     report = inject(model, ENABLED)
-    assert report.total_replaced == 0 and report.already_injected == 2 + 5  # MLPs, norms
-    assert "already holds 7 LoongForge modules" in report.summary()
+    assert report.total_replaced == 0 and report.already_injected == 2 + 5 + 6  # MLPs, norms, q/k/v Linears
+    assert "already holds 13 LoongForge modules" in report.summary()
     assert len(report.summary().splitlines()) == 1  # the first call's report is not repeated
 
 
@@ -278,6 +285,7 @@ def test_log_lines(caplog):
         inject(model, ENABLED)
     assert "[LoongForge] ExpertMaskedMoE: 2 modules" in caplog.text
     assert "[LoongForge] fused RMSNorm: 5 modules" in caplog.text
+    assert "[LoongForge] fused QKV projection: 2 modules" in caplog.text
 
 
 def _expert_parallel_worker(rank: int, port: int, out_dir: str) -> None:
@@ -315,7 +323,7 @@ def test_expert_parallel_two_ranks(tmp_path):
     mp.spawn(_expert_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
-        assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5}
+        assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}
         torch.testing.assert_close(*result["logits"], rtol=MOE_RTOL, atol=ATOL)
         torch.testing.assert_close(*result["aux"], rtol=MOE_RTOL, atol=ATOL)
         mine = slice(rank * 2, (rank + 1) * 2)

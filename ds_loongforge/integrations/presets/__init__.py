@@ -37,6 +37,7 @@ class FamilyPreset:
     modeling_module: str
     rmsnorm: tuple[str, ...] = ()
     mlp: tuple[str, ...] = ()  # dense SwiGLU MLPs: gate_proj, up_proj, down_proj, SiLU act_fn
+    attention: tuple[str, ...] = ()  # attentions calling q_proj, k_proj, v_proj (nn.Linear) on one input
     moe: MoESpec | None = None
     # the module-level rotary function the family's attention calls, when it is HF's standard one:
     # (q, k, cos, sin, unsqueeze_dim=1), q * cos + rotate_half(q) * sin over the whole head (fused_kernels.rope)
@@ -49,7 +50,7 @@ class FamilyPreset:
             module = importlib.import_module(self.modeling_module)
         except ImportError:
             return None
-        names = (*self.rmsnorm, *self.mlp, *((self.moe.block,) if self.moe else ()))
+        names = (*self.rmsnorm, *self.mlp, *self.attention, *((self.moe.block,) if self.moe else ()))
         classes = {name: getattr(module, name, None) for name in names}
         return None if any(c is None for c in classes.values()) else classes
 

@@ -6,6 +6,7 @@ PRESET = FamilyPreset(
     name="llama",
     modeling_module="transformers.models.llama.modeling_llama",
     rmsnorm=("LlamaRMSNorm",),
+    attention=("LlamaAttention",),
     mlp=("LlamaMLP",),
     rope="apply_rotary_pos_emb",
 )

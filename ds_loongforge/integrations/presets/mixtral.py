@@ -6,6 +6,7 @@ PRESET = FamilyPreset(
     name="mixtral",
     modeling_module="transformers.models.mixtral.modeling_mixtral",
     rmsnorm=("MixtralRMSNorm",),
+    attention=("MixtralAttention",),
     moe=MoESpec(block="MixtralSparseMoeBlock", router="softmax_topk", renormalize_attr=None),
     rope="apply_rotary_pos_emb",
 )

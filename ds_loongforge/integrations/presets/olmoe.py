@@ -6,6 +6,7 @@ PRESET = FamilyPreset(
     name="olmoe",
     modeling_module="transformers.models.olmoe.modeling_olmoe",
     rmsnorm=("OlmoeRMSNorm",),
+    attention=("OlmoeAttention",),
     mlp=("OlmoeMLP",),
     moe=MoESpec(block="OlmoeSparseMoeBlock", router="softmax_topk"),
     rope="apply_rotary_pos_emb",

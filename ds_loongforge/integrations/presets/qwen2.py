@@ -6,6 +6,7 @@ PRESET = FamilyPreset(
     name="qwen2",
     modeling_module="transformers.models.qwen2.modeling_qwen2",
     rmsnorm=("Qwen2RMSNorm",),
+    attention=("Qwen2Attention",),
     mlp=("Qwen2MLP",),
     rope="apply_rotary_pos_emb",
 )

@@ -7,6 +7,7 @@ PRESET = FamilyPreset(
     name="qwen2_moe",
     modeling_module="transformers.models.qwen2_moe.modeling_qwen2_moe",
     rmsnorm=("Qwen2MoeRMSNorm",),
+    attention=("Qwen2MoeAttention",),
     mlp=("Qwen2MoeMLP",),
     moe=MoESpec(block="Qwen2MoeSparseMoeBlock", router="softmax_topk", shared_expert="shared_expert",
                 shared_expert_gate="shared_expert_gate"),

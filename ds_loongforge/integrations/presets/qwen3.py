@@ -6,6 +6,7 @@ PRESET = FamilyPreset(
     name="qwen3",
     modeling_module="transformers.models.qwen3.modeling_qwen3",
     rmsnorm=("Qwen3RMSNorm",),
+    attention=("Qwen3Attention",),
     mlp=("Qwen3MLP",),
     rope="apply_rotary_pos_emb",
 )

@@ -7,6 +7,7 @@ PRESET = FamilyPreset(
     name="qwen3_moe",
     modeling_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
     rmsnorm=("Qwen3MoeRMSNorm",),
+    attention=("Qwen3MoeAttention",),
     mlp=("Qwen3MoeMLP",),
     moe=MoESpec(block="Qwen3MoeSparseMoeBlock", router="softmax_topk"),
     rope="apply_rotary_pos_emb",
