@@ -78,6 +78,24 @@ __device__ __forceinline__ MaxSum block_max_sum(MaxSum v, MaxSum* smem) {
     return total;
 }
 
+struct RowEnd {
+    float max, log_sum;  // the row's max and log(sum of exp(x - max)): what the gradient needs
+};
+
+// A row's end, shared by both kernels: the block's (max, sum of exp), the log of the sum, and thread 0's nll write
+// (valid and nll point at this row's entries).
+template <typename X>
+__device__ __forceinline__ RowEnd finish_row(const MaxSum& acc, MaxSum* smem, const X* __restrict__ x, int64_t t,
+                                             int64_t vocab, const bool* valid, float* nll) {
+    const MaxSum row = block_max_sum(acc, smem);
+    const float log_sum = logf(row.sum);
+    if (threadIdx.x == 0) {
+        CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
+        *nll = *valid ? log_sum - (static_cast<float>(x[t]) - row.max) : 0.f;
+    }
+    return RowEnd{row.max, log_sum};
+}
+
 // W consecutive logits of group i, as fp32: one 16-byte load on the vector path (W = 16 / sizeof(X)).
 template <typename X, int W>
 __device__ __forceinline__ void load_group(const X* __restrict__ x, int64_t i, float (&v)[W]) {
@@ -151,12 +169,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) add_values<W>(acc, v[u]);
     }
-    const MaxSum row = block_max_sum(acc, smem);
-    const float log_sum = logf(row.sum);
-    if (threadIdx.x == 0) {
-        CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
-        nll[r] = valid[r] ? log_sum - (static_cast<float>(x[t]) - row.max) : 0.f;
-    }
+    const RowEnd row = finish_row<X>(acc, smem, x, t, vocab, valid + r, nll + r);
     if (grad_all == nullptr) return;
 
     const float s = scale[r];
@@ -174,7 +187,7 @@ __global__ void __launch_bounds__(kMaxThreads)
             Vec<G, W> out;
 #pragma unroll
             for (int j = 0; j < W; ++j) {
-                const float p = expf((v[u][j] - row.max) - log_sum) - (i * W + j == t ? 1.f : 0.f);
+                const float p = expf((v[u][j] - row.max) - row.log_sum) - (i * W + j == t ? 1.f : 0.f);
                 out.val[j] = static_cast<G>(p * s);
             }
             store_vec<G, W>(g + i * W, out);
@@ -218,12 +231,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)  // <= 64 registers: two 512-t
             add_values<W>(acc, v);
         }
     }
-    const MaxSum row = block_max_sum(acc, smem);
-    const float log_sum = logf(row.sum);
-    if (threadIdx.x == 0) {
-        CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
-        nll[r] = valid[r] ? log_sum - (static_cast<float>(x[t]) - row.max) : 0.f;
-    }
+    const RowEnd row = finish_row<X>(acc, smem, x, t, vocab, valid + r, nll + r);
     if (grad_all == nullptr) return;
 
     // Opaque to the compiler from here: it converts the raw words again instead of keeping all W * kRegGroups
@@ -239,7 +247,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2)  // <= 64 registers: two 512-t
         Vec<G, W> out;
 #pragma unroll
         for (int j = 0; j < W; ++j) {
-            const float p = expf((lane<X>(q[u], j) - row.max) - log_sum) -
+            const float p = expf((lane<X>(q[u], j) - row.max) - row.log_sum) -
                             (static_cast<int64_t>(i) * W + j == t ? 1.f : 0.f);
             out.val[j] = static_cast<G>(p * s);
         }
