@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
-# build_ops, untimed), bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480).
 set -uo pipefail
@@ -105,6 +105,8 @@ if has diagnose_levers; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
 done; fi
 # the unpermute backward's reads in flight: the dispatch op built once per choice, timed side by side
 has diagnose_dispatch && step diagnose_dispatch python3 -m benchmarks.diagnose_dispatch --out $RES/diagnose_dispatch.json
+# the attention's q/k/v projections: three Linears vs fused_kernels.qkv, fwd + bwd, beside one dense product
+has bench_qkv && step bench_qkv env LF_RESULTS_DIR=$RES python3 -m benchmarks.bench_qkv
 # issue 4: the optimizer's GPU tests (also in "tests") and its benchmark
 has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or cuda_build" -p no:cacheprovider
 has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.py --out $RES
