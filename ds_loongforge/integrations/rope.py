@@ -17,12 +17,16 @@ The checks read shapes, dtypes and devices only: no host-device sync. A Liger ca
 failure, say) warns once and the original runs from then on; with strict ops (``"strict_ops": true`` or
 ``LOONGFORGE_STRICT_OPS=1``) it is raised.
 
-In place: Liger rotates q and k in their own storage when ``q.transpose(1, 2)`` is contiguous, which is the layout
-HF's attention hands it (``q_proj(x).view(B, S, H, D).transpose(1, 2)``; also any [B, H, 1, D] tensor), and its
-backward rotates the incoming gradients in place the same way. Its Triton stores bypass autograd's version
-counters, so a clobbered saved tensor would not raise. That is safe in the families covered: nothing reads the
-pre-rotation q/k after the call and no autograd node saved them (a Linear saves its input, HF's RMSNorm and
-FusedRMSNorm theirs, not their outputs), and the gradients reaching it are fresh tensors of SDPA's / eager
+In place: Liger's kernel rotates q and k in their own storage when their rows are where it can index them
+(``rows_in_place``: B x S rows of one stride, each row's heads D apart), which is the layout HF's attention hands it
+(``q_proj(x).view(B, S, H, D).transpose(1, 2)``; also any [B, H, 1, D] tensor) and that of the column slices of the
+fused q/k/v product (``fused_kernels.qkv``); its backward rotates the incoming gradients in place the same way.
+Liger's own LigerRopeFunction copies any input that is not contiguous, so with Liger 0.8.5's kernel arguments the
+kernel is launched by ``RowStridedRope`` here, on q/k where they are (other Liger versions: LigerRopeFunction). The
+Triton stores bypass autograd's version counters, so a clobbered saved tensor would not raise. That is safe in the
+families covered: nothing reads the pre-rotation q/k after the call and no autograd node saved them (a Linear
+saves its input, HF's RMSNorm and FusedRMSNorm theirs, not their outputs; the q/k/v product is saved by nothing),
+and the gradients reaching it are fresh tensors of SDPA's / eager
 attention's backward used nowhere else. Not safe: a caller that keeps using the q/k it passed in (it sees them
 rotated), or a gradient that is also used elsewhere (``grad_outputs`` passed straight to ``torch.autograd.grad``,
 a ``retain_grad()`` on the rotated q, an output that also feeds an addition). tests/integrations/
@@ -63,17 +67,77 @@ _lock = _patches.lock
 _failed: dict[str, str] = {}  # fused function's label -> why it is no longer called
 
 
+# Liger 0.8.5's kernel arguments, which RowStridedRope passes positionally: any other list and LigerRopeFunction runs
+_KERNEL_ARGS = ("q_ptr", "q_row_stride", "k_ptr", "k_row_stride", "cos", "cos_row_stride", "sin", "sin_row_stride",
+                "sl", "bs", "cos_bs", "n_qh", "n_kh", "hd", "pad_n_qh", "pad_n_kh", "pad_hd", "pad_rd", "rd",
+                "BLOCK_SIZE", "BACKWARD_PASS")
+
+
+def rows_in_place(x: torch.Tensor) -> bool:
+    """Whether Liger's kernel can rotate ``x`` [B, H, S, D] in its own storage: the kernel walks B x S rows of one
+    stride with each row's heads D apart. True for HF's projection layout (``q_proj(x).view(B, S, H, D)
+    .transpose(1, 2)``) and for a column slice of the fused q/k/v product (rows N apart)."""
+    rows = x.transpose(1, 2)
+    batch, seq, heads, dim = rows.shape
+    return (rows.stride(3) == 1 and (heads == 1 or rows.stride(2) == dim) and rows.stride(1) >= heads * dim
+            and (batch == 1 or rows.stride(0) == seq * rows.stride(1)))
+
+
+def _liger_kernel_rope(q, k, cos, sin, backward: bool):
+    """q [B, Hq, S, D], k [B, Hk, S, D] rotated (backward: by the inverse rotation) by Liger's kernel, in their own
+    storage where ``rows_in_place`` holds, else in a contiguous copy, as Liger's own functions do; returns the
+    [B, H, S, D] views of what was rotated."""
+    import triton
+    from liger_kernel.ops.rope import _triton_rope
+
+    q_rows, k_rows = (t.transpose(1, 2) for t in (q, k))
+    q_rows = q_rows if rows_in_place(q) else q_rows.contiguous()
+    k_rows = k_rows if rows_in_place(k) else k_rows.contiguous()
+    batch, seq, heads_q, dim = q_rows.shape
+    heads_k = k_rows.shape[2]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    pad_q, pad_k = triton.next_power_of_2(heads_q), triton.next_power_of_2(heads_k)
+    _triton_rope[(batch * seq,)](
+        q_rows, q_rows.stride(1), k_rows, k_rows.stride(1), cos, cos.stride(-2), sin, sin.stride(-2), seq, batch,
+        cos.shape[0], heads_q, heads_k, dim, pad_q, pad_k, triton.next_power_of_2(dim), triton.next_power_of_2(dim),
+        dim, BLOCK_SIZE=max(pad_q, pad_k), BACKWARD_PASS=backward)
+    return q_rows.transpose(1, 2), k_rows.transpose(1, 2)
+
+
+class RowStridedRope(torch.autograd.Function):
+    """Liger's RoPE (its Triton kernel, ``LigerRopeFunction``'s math) that also rotates row-strided q/k in place:
+    LigerRopeFunction makes every input contiguous first, which for the column slices of the fused q/k/v product
+    (``fused_kernels.qkv``) is a copy of q and k per layer (0.53 ms per e2e mixtral step on the H200 at 0d28803).
+    Same in-place contract as Liger's (see the module docstring); full rotary dim, cos/sin [1 or B, S, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _liger_kernel_rope(q, k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _liger_kernel_rope(dq, dk, cos, sin, backward=True)
+        return dq, dk, None, None
+
+
 def load_liger() -> tuple[Callable | None, str]:
     """(Liger's Triton RoPE as ``fused(q, k, cos, sin)``, ``"liger-kernel X.Y.Z"``), or (None, why it cannot be
     used). Where ``liger_kernel.ops.rope.LigerRopeFunction`` exists it is applied directly: from 0.8 Liger's
     public ``liger_rotary_pos_emb`` goes through its multi-backend dispatcher, whose Python (backend resolution,
     registry lookups, ``torch.compiler.disable``) cost the H200's host more than the Triton launch itself (py-spy
-    of the e2e mixtral step: about 1.3 of 1.8 ms per step), and on CUDA that dispatcher runs this same function."""
+    of the e2e mixtral step: about 1.3 of 1.8 ms per step), and on CUDA that dispatcher runs this same function.
+    Where its kernel ``_triton_rope`` takes 0.8.5's arguments, ``RowStridedRope`` launches that kernel itself, so
+    that row-strided q/k are rotated in place instead of copied."""
     try:
         fused = importlib.import_module(LIGER_MODULE).liger_rotary_pos_emb
-        function = getattr(importlib.import_module(LIGER_OPS_MODULE), "LigerRopeFunction", None)
+        ops = importlib.import_module(LIGER_OPS_MODULE)
+        function = getattr(ops, "LigerRopeFunction", None)
         if function is not None:
             fused = function.apply  # (q, k, cos, sin): its position_ids, unsqueeze_dim and rotary_dim keep defaults
+        if tuple(getattr(getattr(ops, "_triton_rope", None), "arg_names", ())) == _KERNEL_ARGS:
+            fused = RowStridedRope.apply  # the same kernel, launched on q/k where they are
     except ImportError as err:
         if (err.name or "").split(".")[0] == "liger_kernel":
             return None, f"{LIGER_DIST} is not installed (pip install {LIGER_DIST})"

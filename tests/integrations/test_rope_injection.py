@@ -108,25 +108,63 @@ class RecordingFused:
         return hf_rope(q, k, cos, sin)
 
 
-def _rotate_into(x, cos, sin, sign):
-    """Liger's contract: x [B, H, S, D] rotated in x's own storage when x.transpose(1, 2) is contiguous (HF's
-    projection layout), else in a copy; the result is a [B, H, S, D] view of that storage. Unlike a Triton store
-    the copy_ here bumps the version counter, so an autograd node that had saved x raises instead of silently
-    reading rotated values."""
-    buf = x.transpose(1, 2).contiguous()
+class SavedStorages:
+    """Every storage autograd saves (saved_tensors_hooks) and every storage the fake rotates in its forward, in
+    order: a node that saved a tensor of a storage before that storage was rotated would read rotated values in
+    backward, which is the hazard of writing in place where autograd cannot see it."""
+
+    def __init__(self):
+        self.events = []  # ("saved" | "rotated", storage data_ptr)
+
+    def hooks(self):
+        def pack(t):
+            self.events.append(("saved", t.untyped_storage().data_ptr()))
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def rotated(self, t):
+        self.events.append(("rotated", t.untyped_storage().data_ptr()))
+
+    def clobbered(self):
+        saved_before = set()
+        bad = []
+        for kind, ptr in self.events:
+            if kind == "saved":
+                saved_before.add(ptr)
+            elif ptr in saved_before:
+                bad.append(ptr)
+        return bad
+
+
+def _rotate_into(x, cos, sin, sign, audit=None):
+    """The fused function's contract: x [B, H, S, D] rotated in x's own storage when ``rope.rows_in_place(x)`` (HF's
+    projection layout, a column slice of the fused q/k/v product), else in a copy; the result is a [B, H, S, D]
+    view of that storage. Forward (``audit`` given) writes as a Triton store does, unseen by autograd (through
+    ``.data``: no version bump), and reports the storage to the audit; backward's copy_ bumps the incoming
+    gradient's version counter, so a gradient that something else still holds raises instead of silently
+    changing."""
+    buf = x.transpose(1, 2) if rope.rows_in_place(x) else x.transpose(1, 2).contiguous()
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = buf.chunk(2, dim=-1)
-    buf.copy_(buf * c + torch.cat((-x2, x1), dim=-1) * s * sign)
+    rotated = buf * c + torch.cat((-x2, x1), dim=-1) * s * sign
+    if audit is None:
+        buf.copy_(rotated)
+    else:
+        audit.rotated(buf)
+        buf.data.copy_(rotated)
     return buf.transpose(1, 2)
 
 
 class InPlaceRope(torch.autograd.Function):
     """Liger's rope with its in-place behaviour, in PyTorch (forward and backward rotate in place)."""
 
+    audit: SavedStorages | None = None
+
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate_into(q, cos, sin, 1.0), _rotate_into(k, cos, sin, 1.0)
+        audit = InPlaceRope.audit or SavedStorages()
+        return _rotate_into(q, cos, sin, 1.0, audit), _rotate_into(k, cos, sin, 1.0, audit)
 
     @staticmethod
     def backward(ctx, dq, dk):
@@ -353,7 +391,7 @@ def test_wrapper_gives_up_on_a_failing_fused_function_once(monkeypatch):
 def test_in_place_fused_rope_inside_models_matches_stock(family, config):
     """Liger rotates q/k (and, in backward, their gradients) in their own storage. In the families' attention
     that storage is the q/k projection's output (Qwen3: the q/k norm's output, FusedRMSNorm's when injected;
-    with the fused q/k/v projection, strided slices of its product, which Liger copies first),
+    with the fused q/k/v projection, column slices of its product),
     which no autograd node saved: a fused function with that contract (writes that bump the version counter, so
     a clobbered saved tensor would raise) leaves logits and every gradient as the stock model's."""
     stock = build(family).train()
@@ -365,15 +403,20 @@ def test_in_place_fused_rope_inside_models_matches_stock(family, config):
     calls = []
 
     def in_place(q, k, cos, sin):
-        calls.append(q.transpose(1, 2).is_contiguous())
+        calls.append(rope.rows_in_place(q) and rope.rows_in_place(k))
         return InPlaceRope.apply(q, k, cos, sin)
 
     assert rope.patch(module.__name__, "apply_rotary_pos_emb", in_place, "in-place", device_type="cpu") is None
-    logits, grads = run(injected, ids)
-    # in place on HF's projection layout; with fused_kernels.qkv q is a column slice of the one q/k/v product
-    # (rotated in a copy), except where a q norm (Qwen3's) writes a fresh tensor first
-    in_place_layout = config is ROPE_ONLY or family == "qwen3"
-    assert calls == [in_place_layout] * COMMON["num_hidden_layers"]
+    audit = InPlaceRope.audit = SavedStorages()
+    try:
+        with audit.hooks():
+            logits, grads = run(injected, ids)
+    finally:
+        InPlaceRope.audit = None
+    assert audit.clobbered() == []  # no node saved q/k's storage before it was rotated
+    assert sum(kind == "rotated" for kind, _ in audit.events) == 2 * COMMON["num_hidden_layers"]
+    # in place: HF's projection layout, or (fused_kernels.qkv) column slices of the one q/k/v product
+    assert calls == [True] * COMMON["num_hidden_layers"]
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         if name in ref_grads:
@@ -468,6 +511,45 @@ def test_gpu_fused_rope_matches_hf(batch, heads_q, heads_k, seq, head_dim, cos_b
     ref = _forward_backward(hf_rope, *(t.double() for t in (q, k, cos, sin, dq, dk)))
     for name, a, e, r in zip(names, got, eager, ref):
         assert max_error(a, r) <= tolerance(max_error(e, r), r, dtype), (name, max_error(a, r), max_error(e, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch,heads_q,heads_k,seq,head_dim,cos_batch", GPU_SHAPES)
+def test_gpu_qkv_product_slices_rotated_in_place(batch, heads_q, heads_k, seq, head_dim, cos_batch, dtype):
+    """fused_kernels.qkv hands RoPE column slices of one [B, S, N] product (rows N apart): RowStridedRope rotates
+    them where they are (no copy of q or k) and computes HF's values and gradients; the v columns are untouched."""
+    fused, label = _liger_or_skip()
+    assert fused is rope.RowStridedRope.apply, "liger-kernel's _triton_rope arguments changed: the copying path runs"
+    wrapper = rope.make_wrapper(ORIGINALS["llama"], fused, label)
+    _, _, cos, sin = rope_inputs(batch, heads_q, heads_k, seq, head_dim, cos_batch, dtype, DEVICE)
+    q_cols, kv_cols = heads_q * head_dim, heads_k * head_dim
+    leaf = torch.randn(batch, seq, q_cols + 2 * kv_cols, device=DEVICE, dtype=dtype, requires_grad=True)
+
+    def slices(y):
+        q, k, v = y.split([q_cols, kv_cols, kv_cols], dim=-1)
+        return (q.view(batch, seq, heads_q, head_dim).transpose(1, 2),
+                k.view(batch, seq, heads_k, head_dim).transpose(1, 2), v)
+
+    y = leaf * 1  # the product: a non-leaf, as F.linear's output
+    q, k, v = slices(y)
+    v_before = v.detach().clone()
+    q_out, k_out = wrapper(q, k, cos, sin)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # rotated in the product
+    assert torch.equal(v, v_before)
+    dq, dk = torch.randn_like(q_out), torch.randn_like(k_out)
+    (grad,) = torch.autograd.grad((q_out, k_out), leaf, (dq, dk))
+
+    ref_leaf = leaf.detach().double().requires_grad_()
+    q_ref, k_ref, _ = slices(ref_leaf * 1)
+    q_want, k_want = hf_rope(q_ref, k_ref, cos.double(), sin.double())
+    (grad_want,) = torch.autograd.grad((q_want, k_want), ref_leaf, (dq.double(), dk.double()))
+    eager_q, eager_k = hf_rope(*slices(leaf.detach())[:2], cos, sin)
+    for name, got, want, eager in (("q", q_out, q_want, eager_q), ("k", k_out, k_want, eager_k)):
+        assert max_error(got, want) <= tolerance(max_error(eager, want), want, dtype), name
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grad.double(), grad_want, rtol=tol, atol=tol)
+    assert torch.equal(grad[..., q_cols + kv_cols:], torch.zeros_like(grad[..., q_cols + kv_cols:]))
 
 
 @pytest.mark.gpu
