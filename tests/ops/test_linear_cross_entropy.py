@@ -249,3 +249,20 @@ def test_cuda_peak_memory_well_below_unfused():
     chunk = default_chunk_rows(vocab, torch.bfloat16) * vocab * 2
     bound = n * vocab * 2 + 3 * chunk + h.numel() * 2 + w.numel() * 2
     assert fused < bound, f"the fused path holds {fused / 2**30:.2f} GiB, more than {bound / 2**30:.2f} GiB"
+
+
+@pytest.mark.parametrize("device", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 0.125, 65536.0])  # plain, 1 / GAS, an fp16 loss scale
+@pytest.mark.parametrize("rows,vocab", [(48, 300), (300, 48)])  # h smaller than the product, and the reverse
+def test_weight_gradient_scale_placement_keeps_the_bits(device, dtype, scale, rows, vocab):
+    """The incoming gradient scales h or the [V, H] product, whichever is smaller; for a power-of-two scale the
+    result is bitwise the product scaled afterwards (fp16 always scales the product: h x 2^16 would overflow)."""
+    from ds_loongforge.ops.linear_cross_entropy import _weight_gradient
+
+    grad = torch.randn(rows, vocab, device=device).to(dtype) * 1e-4  # x 2^16 still finite in fp16; h x 2^16 is not
+    h = torch.randn(rows, 16, device=device).to(dtype) * 4
+    g = torch.tensor(scale, device=device)
+    got = _weight_gradient(grad, h, g)
+    assert torch.equal(got, torch.mm(grad.t(), h).mul_(g))
+    assert torch.isfinite(got).all()
