@@ -73,6 +73,15 @@ _KERNEL_ARGS = ("q_ptr", "q_row_stride", "k_ptr", "k_row_stride", "cos", "cos_ro
                 "BLOCK_SIZE", "BACKWARD_PASS")
 
 
+def _kernel_args(kernel) -> tuple[str, ...]:
+    """The parameter names of a Triton kernel (its Python function's signature), () for anything else."""
+    function = getattr(kernel, "fn", None)
+    try:
+        return tuple(inspect.signature(function).parameters) if callable(function) else ()
+    except (TypeError, ValueError):
+        return ()
+
+
 def rows_in_place(x: torch.Tensor) -> bool:
     """Whether Liger's kernel can rotate ``x`` [B, H, S, D] in its own storage: the kernel walks B x S rows of one
     stride with each row's heads D apart. True for HF's projection layout (``q_proj(x).view(B, S, H, D)
@@ -136,7 +145,7 @@ def load_liger() -> tuple[Callable | None, str]:
         function = getattr(ops, "LigerRopeFunction", None)
         if function is not None:
             fused = function.apply  # (q, k, cos, sin): its position_ids, unsqueeze_dim and rotary_dim keep defaults
-        if tuple(getattr(getattr(ops, "_triton_rope", None), "arg_names", ())) == _KERNEL_ARGS:
+        if _kernel_args(getattr(ops, "_triton_rope", None)) == _KERNEL_ARGS:
             fused = RowStridedRope.apply  # the same kernel, launched on q/k where they are
     except ImportError as err:
         if (err.name or "").split(".")[0] == "liger_kernel":

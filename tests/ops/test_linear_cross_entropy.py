@@ -253,16 +253,29 @@ def test_cuda_peak_memory_well_below_unfused():
 
 @pytest.mark.parametrize("device", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("scale", [1.0, 0.125, 65536.0])  # plain, 1 / GAS, an fp16 loss scale
+@pytest.mark.parametrize("scale", [1.0, 0.125, 65536.0, 1 / 3])  # plain, 1 / GAS, an fp16 loss scale, GAS = 3
 @pytest.mark.parametrize("rows,vocab", [(48, 300), (300, 48)])  # h smaller than the product, and the reverse
-def test_weight_gradient_scale_placement_keeps_the_bits(device, dtype, scale, rows, vocab):
-    """The incoming gradient scales h or the [V, H] product, whichever is smaller; for a power-of-two scale the
-    result is bitwise the product scaled afterwards (fp16 always scales the product: h x 2^16 would overflow)."""
+def test_backward_scales_in_fp32_on_the_smaller_operand(device, dtype, scale, rows, vocab):
+    """The incoming gradient scales h or the [V, H] product, whichever is smaller, multiplied in fp32: for a
+    power-of-two scale the result is bitwise the product scaled exactly; 2^16 stays finite in fp16 (fp16 scales the
+    product: h x 2^16 would overflow), and 1/3 is not rounded to the dtype first (bf16's 1/3 is 0.2% off)."""
     from ds_loongforge.ops.linear_cross_entropy import _weight_gradient
 
     grad = torch.randn(rows, vocab, device=device).to(dtype) * 1e-4  # x 2^16 still finite in fp16; h x 2^16 is not
     h = torch.randn(rows, 16, device=device).to(dtype) * 4
-    g = torch.tensor(scale, device=device)
-    got = _weight_gradient(grad, h, g)
-    assert torch.equal(got, torch.mm(grad.t(), h).mul_(g))
-    assert torch.isfinite(got).all()
+    h_before = h.clone()
+    got = _weight_gradient(grad, h, torch.tensor(scale, device=device))
+    assert torch.equal(h, h_before)  # the saved hidden states are not scaled in place
+    unscaled = torch.mm(grad.t(), h).double()
+    exact = unscaled * scale
+    if scale in (1.0, 0.125, 65536.0):
+        assert torch.equal(got, exact.to(dtype))
+    else:  # the scale in fp32 on the operand scaled (the old mul_ rounded 1/3 to bf16's 0.3340 first)
+        s32 = torch.tensor(scale, device=device)
+        if dtype != torch.float16 and rows < vocab:
+            want = torch.mm(grad.t(), (h.float() * s32).to(dtype))
+        else:
+            want = (torch.mm(grad.t(), h).float() * s32).to(dtype)
+        assert torch.equal(got, want)
+        if dtype == torch.bfloat16:
+            assert not torch.equal(got, torch.mm(grad.t(), h) * torch.tensor(scale, dtype=dtype, device=device))
