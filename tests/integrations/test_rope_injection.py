@@ -184,6 +184,65 @@ def fake_liger(monkeypatch, fused=None, cuda=True):
 # ---------------------------------------------------------------------------------------------------- CPU
 
 
+_INTERPRETED_ROW_STRIDED_ROPE = """
+import json, sys, torch
+from ds_loongforge.integrations import rope
+from tests.integrations.test_rope_injection import hf_rope, rope_inputs
+
+fused, label = rope.load_liger()
+out = {"row_strided": fused == rope.RowStridedRope.apply, "label": label, "cases": []}
+for batch, hq, hk, seq, hd, cos_batch in [(2, 8, 2, 16, 32, 1), (1, 4, 4, 7, 16, 1), (3, 6, 2, 5, 24, 3),
+                                          (1, 8, 2, 1, 32, 1)]:
+    _, _, cos, sin = rope_inputs(batch, hq, hk, seq, hd, cos_batch)
+    q_cols, kv_cols = hq * hd, hk * hd
+    leaf = torch.randn(batch, seq, q_cols + 2 * kv_cols, requires_grad=True)
+
+    def slices(y):
+        q, k, v = y.split([q_cols, kv_cols, kv_cols], dim=-1)
+        return q.view(batch, seq, hq, hd).transpose(1, 2), k.view(batch, seq, hk, hd).transpose(1, 2), v
+
+    q, k, v = slices(leaf * 1)
+    q_out, k_out = rope.RowStridedRope.apply(q, k, cos, sin)
+    dq, dk = torch.randn_like(q_out), torch.randn_like(k_out)
+    sent = (dq.clone(), dk.clone())
+    (grad,) = torch.autograd.grad((q_out, k_out), leaf, sent)
+    ref = leaf.detach().double().requires_grad_()
+    q_ref, k_ref, _ = slices(ref * 1)
+    q_want, k_want = hf_rope(q_ref, k_ref, cos.double(), sin.double())
+    (grad_want,) = torch.autograd.grad((q_want, k_want), ref, (dq.double(), dk.double()))
+    out["cases"].append({
+        "in_place": q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr(),
+        "forward_error": max((q_out.double() - q_want).abs().max().item(), (k_out.double() - k_want).abs().max().item()),
+        "grad_error": (grad.double() - grad_want).abs().max().item(),
+        "grad_outputs_rotated_in_place": not torch.equal(sent[0], dq)})
+print(json.dumps(out))
+"""
+
+
+def test_row_strided_rope_kernel_under_triton_interpreter():
+    """RowStridedRope launches Liger's Triton kernel on the fused q/k/v product's column slices: run on the CPU by
+    Triton's interpreter (TRITON_INTERPRET=1, set before the kernel is defined, so in a subprocess), it rotates
+    them in place, to fp32 rounding of HF's fp64 values and gradients, on GQA, MHA, per-batch cos and one token;
+    and, as Liger's own backward does, it rotates [B, S, H, D]-dense incoming gradients in place (why callers
+    that reuse grad_outputs must pass copies)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("liger_kernel", reason="needs liger-kernel (pip install liger-kernel==0.8.5)")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED_ROW_STRIDED_ROPE], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["row_strided"], f"liger-kernel's _triton_rope arguments changed ({result['label']})"
+    for case in result["cases"]:
+        assert case["in_place"] and case["grad_outputs_rotated_in_place"], case
+        assert case["forward_error"] < 1e-5 and case["grad_error"] < 1e-5, case
+
+
 def test_presets_name_standard_rotary_functions():
     """Each preset's rope is HF's standard function in this transformers (checked on values, not the name);
     DeepSeek-V3 has none and says why."""
@@ -542,8 +601,8 @@ def test_gpu_qkv_product_slices_rotated_in_place(batch, heads_q, heads_k, seq, h
     q_out, k_out = wrapper(q, k, cos, sin)
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # rotated in the product
     assert torch.equal(v, v_before)
-    dq, dk = torch.randn_like(q_out), torch.randn_like(k_out)
-    (grad,) = torch.autograd.grad((q_out, k_out), leaf, (dq, dk))
+    dq, dk = torch.randn_like(q_out), torch.randn_like(k_out)  # [B, S, H, D]-dense: rotated in place by backward
+    (grad,) = torch.autograd.grad((q_out, k_out), leaf, (dq.clone(), dk.clone()))  # so it gets copies
 
     ref_leaf = leaf.detach().double().requires_grad_()
     q_ref, k_ref, _ = slices(ref_leaf * 1)
