@@ -131,13 +131,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _scaled(x: torch.Tensor, grad_loss: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """x times the incoming gradient (a 0-dim fp32/fp64 device tensor), multiplied in fp32 (fp64) and rounded once
-    to x's dtype; ``in_place`` may overwrite x. ``x.mul_(grad_loss)`` on a 16-bit CUDA tensor first rounds the scale
-    to x's dtype: an fp16 loss scale of 2^16 became inf (every gradient inf, on the H200) and a 1/3 is 0.3340 in bf16
-    (a 0.2% bias of every gradient)."""
-    if x.dtype in (torch.float32, torch.float64):
-        return x.mul_(grad_loss) if in_place else x * grad_loss
-    return x.float().mul_(grad_loss).to(x.dtype)
+    """x times the incoming gradient (a 0-dim fp32/fp64 device tensor), in one pass that multiplies in the scale's
+    dtype and rounds once to x's; ``in_place`` may overwrite x. The scale goes in as a [1, ..., 1] tensor: a 0-dim
+    one takes x's dtype in type promotion, and on CUDA ``x.mul_(grad_loss)`` then rounds it to x's dtype first: an
+    fp16 loss scale of 2^16 became inf (every gradient inf, on the H200) and 1/3 is 0.3340 in bf16 (a 0.2% bias of
+    every gradient). A dimensioned scale makes the op's dtype fp32, and the store casts to x's dtype."""
+    scale = grad_loss.reshape((1,) * x.dim())
+    return x.mul_(scale) if in_place else torch.mul(x, scale, out=torch.empty_like(x))
 
 
 def _weight_gradient(grad_NV: torch.Tensor, h_NH: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
