@@ -4,7 +4,8 @@ One row per op (compatible, prebuilt, JIT-cached) and the versions that decide w
 torch, its CUDA, nvcc, NCCL, DeepSpeed, transformers, liger-kernel (whose RoPE ``fused_kernels.rope`` uses),
 and the GPU architecture. ``--verify`` builds
 every compatible op, checks forward and backward against the fp64 reference on random data, prints the
-max error against its tolerance, and exits 1 on any failure. A CUDA op on a machine without a GPU is
+max error against its tolerance, and exits 1 on any failure; then the same for the pieces ``inject`` adds that are
+not ops (the fused q/k/v projection, the fused RoPE on its slices where liger-kernel and a GPU are present). A CUDA op on a machine without a GPU is
 compiled (a build break fails) and its numerical check reported as not run.
 """
 
@@ -145,6 +146,14 @@ def verify(rows: list[OpRow]) -> bool:
             result = check()
             ok = ok and result.passed
             print(f"  {builder.NAME:<24} {result.describe()}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, check in numerics.integration_checks(device):
+        if isinstance(check, str):
+            print(f"  {name:<24} not run: {check}")
+            continue
+        result = check()
+        ok = ok and result.passed
+        print(f"  {name:<24} {result.describe()}")
     print("verify:", "PASSED" if ok else "FAILED")
     return ok
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ds_loongforge import report
 from ds_loongforge.config import LoongForgeConfigError, parse_config
@@ -38,6 +39,41 @@ def test_report_verify_passes_here():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "verify: PASSED" in out.stdout
     assert "lf_fused_rmsnorm_cpu     ok" in out.stdout and "lf_fused_swiglu_cpu      ok" in out.stdout
+    assert out.stdout.count("fused_kernels.qkv        ok") == 2  # fp32, bf16
+    assert "fused_kernels.rope       not run:" in out.stdout  # a Triton kernel: no GPU here
+
+
+def test_integration_checks_fail_on_wrong_math():
+    """The --verify checks of the pieces inject adds can fail: a RoPE that does not rotate, and a q/k/v product
+    whose k slice is off by one column."""
+    from ds_loongforge.modules import qkv
+    from ds_loongforge.ops.numerics import qkv_checks, row_strided_rope_checks
+
+    results = row_strided_rope_checks(2, 5, 4, 2, 16, torch.float32, lambda q, k, cos, sin: (q * 1, k * 1),
+                                      device="cpu")
+    assert {r.name.rsplit(" ", 1)[1] for r in results if not r.passed} == {"q", "k", "dproduct"}
+    results = row_strided_rope_checks(2, 5, 4, 2, 16, torch.float32, _hf_rope_for_check, device="cpu")
+    assert all(r.passed for r in results), [r.describe() for r in results]
+
+    original = qkv.QKVProjection.project
+
+    def shifted(self, linear, x):
+        out = original(self, linear, x)
+        return out.roll(1, dims=-1) if linear is self.linears[1] else out
+
+    qkv.QKVProjection.project = shifted
+    try:
+        failed = [r for r in qkv_checks(33, 64, 64, 16, torch.float32, "cpu") if not r.passed]
+    finally:
+        qkv.QKVProjection.project = original
+    assert failed and all(r.name.rsplit(" ", 1)[1] in ("k", "dx", "dWk", "dbk") for r in failed)
+    assert all(r.passed for r in qkv_checks(33, 64, 64, 16, torch.float32, "cpu"))
+
+
+def _hf_rope_for_check(q, k, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
 
 
 def test_report_verify_exits_nonzero_on_a_failed_check(monkeypatch, capsys):

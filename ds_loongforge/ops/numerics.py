@@ -368,3 +368,100 @@ def _merge(results: list[CheckResult]) -> CheckResult:
     worst = max(results, key=lambda r: r.error / r.tol if r.tol > 0 else (0.0 if r.error == 0 else float("inf")))
     base = worst.name.rsplit(" ", 1)[0]
     return CheckResult(f"{base} [worst: {worst.name.rsplit(' ', 1)[1]}]", worst.error, worst.tol)
+
+
+def qkv_checks(tokens: int, hidden: int, q_out: int, kv_out: int, dtype: torch.dtype,
+               device: str) -> list[CheckResult]:
+    """fused_kernels.qkv (ds_loongforge.modules.qkv) against three nn.Linear in fp64: q, k, v, the input gradient
+    and each weight's gradient within 2x the three Linears' own error in ``dtype``."""
+    from torch import nn
+
+    from ds_loongforge.modules.qkv import fuse_qkv
+
+    class Projections(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(hidden, q_out, device=device, dtype=dtype)
+            self.k_proj = nn.Linear(hidden, kv_out, device=device, dtype=dtype)
+            self.v_proj = nn.Linear(hidden, kv_out, device=device, dtype=dtype)
+
+        def forward(self, x):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    stock = Projections()
+    fused = Projections().to(dtype)
+    fused.load_state_dict(stock.state_dict())
+    fuse_qkv(fused)
+    exact = Projections().double()
+    exact.load_state_dict(stock.state_dict())
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    grads = [torch.randn(tokens, n, device=device, dtype=dtype) for n in (q_out, kv_out, kv_out)]
+
+    def run(module, cast):
+        x_in = x.to(cast).requires_grad_()
+        outs = module(x_in)
+        params = list(module.parameters())
+        return [*outs, *_grads(outs, [x_in, *params], [g.to(cast) for g in grads])]
+
+    names = ["q", "k", "v", "dx", "dWq", "dbq", "dWk", "dbk", "dWv", "dbv"]
+    ours, eager, ref = run(fused, dtype), run(stock, dtype), run(exact, torch.float64)
+    label = f"fused q/k/v {device} {str(dtype)[6:]} T={tokens} H={hidden} Q={q_out} KV={kv_out}"
+    return [CheckResult(f"{label} {n}", max_error(o, r), tolerance(max_error(e, r), r, dtype))
+            for n, o, e, r in zip(names, ours, eager, ref)]
+
+
+def row_strided_rope_checks(batch: int, seq: int, heads_q: int, heads_k: int, head_dim: int, dtype: torch.dtype,
+                            fused: Callable, device: str = "cuda") -> list[CheckResult]:
+    """The fused RoPE of fused_kernels.rope (``fused``: what ds_loongforge.integrations.rope.load_liger chose) on
+    column slices of one [B, S, N] q/k/v product, as the fused projection hands them over, against transformers'
+    formula in fp64: rotated q and k, and the gradient of the product, within 2x that formula's error in ``dtype``.
+    Liger's is a Triton kernel: CUDA, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
+    q_cols, kv_cols = heads_q * head_dim, heads_k * head_dim
+    angle = torch.rand(1, seq, head_dim // 2, device=device, dtype=torch.float64) * 6.0
+    cos64, sin64 = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    leaf = torch.randn(batch, seq, q_cols + 2 * kv_cols, device=device, dtype=dtype)
+    dq = torch.randn(batch, heads_q, seq, head_dim, device=device, dtype=dtype)
+    dk = torch.randn(batch, heads_k, seq, head_dim, device=device, dtype=dtype)
+
+    def slices(y):
+        q, k, _ = y.split([q_cols, kv_cols, kv_cols], dim=-1)
+        return (q.view(batch, seq, heads_q, head_dim).transpose(1, 2),
+                k.view(batch, seq, heads_k, head_dim).transpose(1, 2))
+
+    def hf(q, k, cos, sin):
+        def rotate_half(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return torch.cat((-t2, t1), dim=-1)
+        c, s = cos[:, None], sin[:, None]
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+    def run(function, cast):
+        x = leaf.to(cast).requires_grad_()
+        q_out, k_out = function(*slices(x * 1), cos64.to(cast), sin64.to(cast))
+        (grad,) = _grads((q_out, k_out), [x], [dq.to(cast, copy=True), dk.to(cast, copy=True)])
+        return q_out.detach(), k_out.detach(), grad
+
+    ours, eager, ref = run(fused, dtype), run(hf, dtype), run(hf, torch.float64)
+    label = f"fused RoPE on q/k/v slices {device} {str(dtype)[6:]} B={batch} S={seq} Hq={heads_q} Hk={heads_k} D={head_dim}"
+    return [CheckResult(f"{label} {n}", max_error(o, r), tolerance(max_error(e, r), r, dtype))
+            for n, o, e, r in zip(("q", "k", "dproduct"), ours, eager, ref)]
+
+
+def integration_checks(device: str) -> list[tuple[str, Callable[[], CheckResult] | str]]:
+    """(name, check) of the pieces ``inject`` adds that are not ops of their own, for ``--verify``; a str in place
+    of a check says why it does not run here."""
+    checks: list[tuple[str, Callable[[], CheckResult] | str]] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        checks.append(("fused_kernels.qkv", lambda d=dtype: _merge(qkv_checks(257, 512, 512, 128, d, device))))
+    from ds_loongforge.integrations import rope
+
+    fused, label = rope.load_liger()
+    if fused is None:
+        checks.append(("fused_kernels.rope", label))
+    elif device != "cuda":
+        checks.append(("fused_kernels.rope", f"{label}: not run, no CUDA device visible (a Triton kernel)"))
+    else:
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.append(("fused_kernels.rope",
+                           lambda d=dtype: _merge(row_strided_rope_checks(2, 77, 8, 2, 128, d, fused))))
+    return checks

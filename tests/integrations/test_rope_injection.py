@@ -215,6 +215,9 @@ for batch, hq, hk, seq, hd, cos_batch in [(2, 8, 2, 16, 32, 1), (1, 4, 4, 7, 16,
         "forward_error": max((q_out.double() - q_want).abs().max().item(), (k_out.double() - k_want).abs().max().item()),
         "grad_error": (grad.double() - grad_want).abs().max().item(),
         "grad_outputs_rotated_in_place": not torch.equal(sent[0], dq)})
+from ds_loongforge.ops.numerics import row_strided_rope_checks  # what loongforge_report --verify runs on a GPU
+out["verify_failures"] = [r.describe() for r in row_strided_rope_checks(2, 9, 8, 2, 32, torch.float32, fused,
+                                                                         device="cpu") if not r.passed]
 print(json.dumps(out))
 """
 
@@ -241,6 +244,7 @@ def test_row_strided_rope_kernel_under_triton_interpreter():
     for case in result["cases"]:
         assert case["in_place"] and case["grad_outputs_rotated_in_place"], case
         assert case["forward_error"] < 1e-5 and case["grad_error"] < 1e-5, case
+    assert result["verify_failures"] == []  # fp32: the interpreter gets bf16 wrong for Liger's own function too
 
 
 def test_presets_name_standard_rotary_functions():
