@@ -2,11 +2,11 @@
 
 One row per op (compatible, prebuilt, JIT-cached) and the versions that decide whether ops build:
 torch, its CUDA, nvcc, NCCL, DeepSpeed, transformers, liger-kernel (whose RoPE ``fused_kernels.rope`` uses),
-and the GPU architecture. ``--verify`` builds
-every compatible op, checks forward and backward against the fp64 reference on random data, prints the
-max error against its tolerance, and exits 1 on any failure; then the same for the pieces ``inject`` adds that are
-not ops (the fused q/k/v projection, the fused RoPE on its slices where liger-kernel and a GPU are present). A CUDA op on a machine without a GPU is
-compiled (a build break fails) and its numerical check reported as not run.
+and the GPU architecture. ``--verify`` builds every compatible op, checks forward and backward against the fp64
+reference on random data, prints the max error against its tolerance, and exits 1 on any failure; then the same
+for the pieces ``inject`` adds that are not ops (the fused q/k/v projection; the fused RoPE on its slices where
+liger-kernel and a GPU are present). A CUDA op on a machine without a GPU is compiled (a build break fails) and
+its numerical check reported as not run.
 """
 
 from __future__ import annotations

@@ -442,7 +442,8 @@ def row_strided_rope_checks(batch: int, seq: int, heads_q: int, heads_k: int, he
         return q_out.detach(), k_out.detach(), grad
 
     ours, eager, ref = run(fused, dtype), run(hf, dtype), run(hf, torch.float64)
-    label = f"fused RoPE on q/k/v slices {device} {str(dtype)[6:]} B={batch} S={seq} Hq={heads_q} Hk={heads_k} D={head_dim}"
+    label = (f"fused RoPE on q/k/v slices {device} {str(dtype)[6:]} B={batch} S={seq} Hq={heads_q} Hk={heads_k} "
+             f"D={head_dim}")
     return [CheckResult(f"{label} {n}", max_error(o, r), tolerance(max_error(e, r), r, dtype))
             for n, o, e, r in zip(("q", "k", "dproduct"), ours, eager, ref)]
 

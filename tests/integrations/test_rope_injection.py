@@ -212,7 +212,8 @@ for batch, hq, hk, seq, hd, cos_batch in [(2, 8, 2, 16, 32, 1), (1, 4, 4, 7, 16,
     (grad_want,) = torch.autograd.grad((q_want, k_want), ref, (dq.double(), dk.double()))
     out["cases"].append({
         "in_place": q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr(),
-        "forward_error": max((q_out.double() - q_want).abs().max().item(), (k_out.double() - k_want).abs().max().item()),
+        "forward_error": max((q_out.double() - q_want).abs().max().item(),
+                             (k_out.double() - k_want).abs().max().item()),
         "grad_error": (grad.double() - grad_want).abs().max().item(),
         "grad_outputs_rotated_in_place": not torch.equal(sent[0], dq)})
 from ds_loongforge.ops.numerics import row_strided_rope_checks  # what loongforge_report --verify runs on a GPU
