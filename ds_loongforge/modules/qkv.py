@@ -39,9 +39,8 @@ class QKVProjection:
 
     def __init__(self, linears: tuple[nn.Linear, nn.Linear, nn.Linear]):
         self.linears = linears
-        self.splits = tuple(linear.out_features for linear in linears)
         self._pending: tuple[torch.Tensor, int, list[torch.Tensor | None]] | None = None  # (x, x._version, slices)
-        self.fused_calls = 0  # products computed for all three at once (for tests and the report)
+        self.fused_calls = 0  # products computed for all three at once (what tests count)
 
     def project(self, linear: nn.Linear, x_TH: torch.Tensor) -> torch.Tensor:
         role = self.linears.index(linear)
@@ -60,7 +59,7 @@ class QKVProjection:
         biases = [lin.bias for lin in self.linears]
         bias_N = None if biases[0] is None else torch.cat(biases)
         y_TN = F.linear(x_TH, torch.cat(weights), bias_N)
-        slices: list[torch.Tensor | None] = list(y_TN.split(self.splits, dim=-1))
+        slices: list[torch.Tensor | None] = list(y_TN.split([w.shape[0] for w in weights], dim=-1))
         out, slices[role] = slices[role], None
         self._pending = (x_TH, x_TH._version, slices)
         self.fused_calls += 1
