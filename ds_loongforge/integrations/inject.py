@@ -270,18 +270,19 @@ def _patch_rope(model: nn.Module, config: LoongForgeConfig, report: InjectionRep
     present = [p for p in PRESETS if p.modeling_module in in_model]
     if not present:
         return
-    fused, label = (None, "") if not config.fused_kernels.rope else rope.load_liger()
+    if not config.fused_kernels.rope:
+        fused, label = None, "fused_kernels.rope is false"
+    elif not rope.cuda_visible():  # liger (and triton) are not even imported then
+        fused, label = None, "no CUDA device visible (Liger's fused RoPE is a Triton kernel for CUDA tensors)"
+    else:
+        fused, label = rope.load_liger()
     for preset in present:
         short = preset.modeling_module.rpartition(".")[2]
         name = f"{short}.{preset.rope or 'apply_rotary_pos_emb'}"
         if preset.rope is None:
             reason = f"{preset.name}: {preset.rope_why_not or 'no standard rotary function in this preset'}"
-        elif not config.fused_kernels.rope:
-            reason = "fused_kernels.rope is false"
         elif fused is None:
             reason = label
-        elif not rope.cuda_visible():
-            reason = "no CUDA device visible (Liger's fused RoPE is a Triton kernel for CUDA tensors)"
         else:
             reason = rope.patch(preset.modeling_module, preset.rope, fused, label)
         if reason:
