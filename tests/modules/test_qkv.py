@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_loongforge.modules.qkv import FusedQKVLinear, QKVProjection, fuse_qkv, qkv_problem
+from ds_loongforge.ops.numerics import max_error, tolerance
 
 
 class Attention(nn.Module):
@@ -78,8 +79,9 @@ def test_low_precision_within_twice_the_linears_error(dtype):
     for ours, ref, lin in zip(fused(x), stock(x), linears):
         exact = nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
         assert ours.dtype == dtype
-        half_ulp = torch.finfo(dtype).eps / 2 * exact.abs().max()  # when the Linear's own result is exact
-        assert (ours.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + half_ulp
+        # the project's rule: 2x the Linear's own error, floored at the dtype's rounding at this scale (8 ulp for
+        # fp32, where another GEMM blocking alone moves results by a few ulp; CI at fb89661 saw 3.3x at 1 ulp)
+        assert max_error(ours, exact) <= tolerance(max_error(ref, exact), exact, dtype)
 
 
 def test_one_gemm_forward_and_two_backward():
