@@ -142,19 +142,24 @@ def verify(rows: list[OpRow]) -> bool:
         if device == "cuda" and not torch.cuda.is_available():
             print(f"  {builder.NAME:<24} built; numerical check not run: no CUDA device visible")
             continue
-        for check in numerics.checks_for(builder.NAME, device):
-            result = check()
-            ok = ok and result.passed
-            print(f"  {builder.NAME:<24} {result.describe()}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, check in numerics.integration_checks(device):
+        checks = [(builder.NAME, check) for check in numerics.checks_for(builder.NAME, device)]
+        ok = _run_checks(checks) and ok
+    ok = _run_checks(numerics.integration_checks("cuda" if torch.cuda.is_available() else "cpu")) and ok
+    print("verify:", "PASSED" if ok else "FAILED")
+    return ok
+
+
+def _run_checks(checks) -> bool:
+    """Run and print (name, check) pairs, one line each (a str in place of a check: why it did not run); True when
+    every check that ran passed."""
+    ok = True
+    for name, check in checks:
         if isinstance(check, str):
             print(f"  {name:<24} not run: {check}")
             continue
         result = check()
         ok = ok and result.passed
         print(f"  {name:<24} {result.describe()}")
-    print("verify:", "PASSED" if ok else "FAILED")
     return ok
 
 

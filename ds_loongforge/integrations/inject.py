@@ -165,12 +165,27 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         kind = KIND_MOE_EP if config.moe.ep_size > 1 else KIND_MOE
         report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
-    # then the dense pieces: (classes, switch name, switch, why a module cannot be replaced, our class, kind)
-    for types, switch, on, problem, ours_cls, kind in (
-            (mlp_types, "fused_kernels.swiglu", config.fused_kernels.swiglu, _swiglu_problem, FusedSwiGLUMLP,
-             KIND_MLP),
-            (norm_types, "fused_kernels.rmsnorm", config.fused_kernels.rmsnorm, lambda m: None, FusedRMSNorm,
-             KIND_RMSNORM)):
+    def swap_in(ours_cls):
+        def replace(path: str, module: nn.Module) -> bool:
+            _swap(model, path, module, ours_cls.from_hf(module, impl=OP_IMPL).train(module.training))
+            return True
+        return replace
+
+    def fuse_projections(path: str, module: nn.Module) -> bool:
+        if isinstance(module.q_proj, FusedQKVLinear):
+            return False  # a repeat inject: already fused
+        fuse_qkv(module)
+        return True
+
+    # then the dense pieces: (classes, switch name, switch, why a module cannot be replaced, replace -> done, kind)
+    attention_types = {classes[name]: p for p, classes in active for name in p.attention}
+    for types, switch, on, problem, replace, kind in (
+            (mlp_types, "fused_kernels.swiglu", config.fused_kernels.swiglu, _swiglu_problem,
+             swap_in(FusedSwiGLUMLP), KIND_MLP),
+            (norm_types, "fused_kernels.rmsnorm", config.fused_kernels.rmsnorm, lambda m: None,
+             swap_in(FusedRMSNorm), KIND_RMSNORM),
+            (attention_types, "fused_kernels.qkv", config.fused_kernels.qkv, qkv_problem, fuse_projections,
+             KIND_QKV)):
         for path, module in _snapshot(model):
             preset = types.get(type(module))
             if preset is None:
@@ -180,24 +195,9 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
             if reason:
                 report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
                 continue
-            _swap(model, path, module, ours_cls.from_hf(module, impl=OP_IMPL).train(module.training))
-            families[preset.name] += 1
-            report.replaced[kind] = report.replaced.get(kind, 0) + 1
-
-    attention_types = {classes[name]: p for p, classes in active for name in p.attention}
-    for path, module in _snapshot(model):
-        preset = attention_types.get(type(module))
-        if preset is None:
-            continue
-        reason = "fused_kernels.qkv is false" if not config.fused_kernels.qkv else qkv_problem(module)
-        if reason:
-            report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
-            continue
-        if isinstance(module.q_proj, FusedQKVLinear):
-            continue  # a repeat inject
-        fuse_qkv(module)
-        families[preset.name] += 1
-        report.replaced[KIND_QKV] = report.replaced.get(KIND_QKV, 0) + 1
+            if replace(path, module):
+                families[preset.name] += 1
+                report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
     _patch_rope(model, config, report, families)
     _patch_balancing(model, config, report)

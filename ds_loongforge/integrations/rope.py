@@ -230,6 +230,16 @@ def _give_up(label: str, err: Exception) -> None:
         logger.warning(message)
 
 
+def reference_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF's standard rotary embedding written out: x * cos + rotate_half(x) * sin over the whole head, for q/k
+    [B, H, S, D] and cos/sin [1 or B, S, D] (unsqueezed at dim 1). What a fused function must compute."""
+    def rotated(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos[:, None] + torch.cat((-x2, x1), -1) * sin[:, None]
+
+    return rotated(q), rotated(k)
+
+
 def standard_rope_problem(function: Callable) -> str | None:
     """None when ``function(q, k, cos, sin)`` is HF's standard RoPE (rotate_half over the whole head, cos/sin
     [B, S, D] unsqueezed at dim 1), else what differs. Checks the signature, then the values on a tiny fp64
@@ -249,16 +259,13 @@ def standard_rope_problem(function: Callable) -> str | None:
     angle = torch.rand(2, 5, 4, dtype=torch.float64, generator=gen) * 6.0
     cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
 
-    def rotated(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos[:, None] + torch.cat((-x2, x1), -1) * sin[:, None]
-
     try:
         q_out, k_out = function(q, k, cos, sin)
     except Exception as err:  # noqa: BLE001
         return f"it raises on a standard input ({type(err).__name__}: {err})"
-    if not (torch.allclose(q_out, rotated(q), rtol=1e-12, atol=1e-12)
-            and torch.allclose(k_out, rotated(k), rtol=1e-12, atol=1e-12)):
+    q_want, k_want = reference_rope(q, k, cos, sin)
+    if not (torch.allclose(q_out, q_want, rtol=1e-12, atol=1e-12)
+            and torch.allclose(k_out, k_want, rtol=1e-12, atol=1e-12)):
         return "it does not compute q * cos + rotate_half(q) * sin over the whole head"
     return None
 

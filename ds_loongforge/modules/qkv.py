@@ -71,9 +71,7 @@ class QKVProjection:
             return False
         if any(w.dtype != first.dtype or w.device != first.device for w in weights[1:]):
             return False
-        if any((lin.bias is None) != (self.linears[0].bias is None) for lin in self.linears[1:]):
-            return False
-        return x_TH.device == first.device
+        return x_TH.device == first.device  # (biases all or none: checked by fuse_qkv)
 
 
 class FusedQKVLinear(nn.Linear):

@@ -428,20 +428,15 @@ def row_strided_rope_checks(batch: int, seq: int, heads_q: int, heads_k: int, he
         return (q.view(batch, seq, heads_q, head_dim).transpose(1, 2),
                 k.view(batch, seq, heads_k, head_dim).transpose(1, 2))
 
-    def hf(q, k, cos, sin):
-        def rotate_half(t):
-            t1, t2 = t.chunk(2, dim=-1)
-            return torch.cat((-t2, t1), dim=-1)
-        c, s = cos[:, None], sin[:, None]
-        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
-
     def run(function, cast):
         x = leaf.to(cast).requires_grad_()
         q_out, k_out = function(*slices(x * 1), cos64.to(cast), sin64.to(cast))
         (grad,) = _grads((q_out, k_out), [x], [dq.to(cast, copy=True), dk.to(cast, copy=True)])
         return q_out.detach(), k_out.detach(), grad
 
-    ours, eager, ref = run(fused, dtype), run(hf, dtype), run(hf, torch.float64)
+    from ds_loongforge.integrations.rope import reference_rope
+
+    ours, eager, ref = run(fused, dtype), run(reference_rope, dtype), run(reference_rope, torch.float64)
     label = (f"fused RoPE on q/k/v slices {device} {str(dtype)[6:]} B={batch} S={seq} Hq={heads_q} Hk={heads_k} "
              f"D={head_dim}")
     return [CheckResult(f"{label} {n}", max_error(o, r), tolerance(max_error(e, r), r, dtype))
