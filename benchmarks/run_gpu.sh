@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480).
 set -uo pipefail
@@ -106,6 +106,8 @@ done; fi
 # the unpermute backward's reads in flight: the dispatch op built once per choice, timed side by side
 has diagnose_dispatch && step diagnose_dispatch python3 -m benchmarks.diagnose_dispatch --out $RES/diagnose_dispatch.json
 # the attention's q/k/v projections: three Linears vs fused_kernels.qkv, fwd + bwd, beside one dense product
+# the MoE layer's six GEMMs: torch's grouped GEMM vs a per-expert cuBLAS loop vs one dense GEMM, interleaved
+has diagnose_grouped_gemm && step diagnose_grouped_gemm python3 -m benchmarks.diagnose_grouped_gemm --out $RES
 has bench_qkv && step bench_qkv env LF_RESULTS_DIR=$RES python3 -m benchmarks.bench_qkv
 # issue 4: the optimizer's GPU tests (also in "tests") and its benchmark
 has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or cuda_build" -p no:cacheprovider

@@ -1,0 +1,194 @@
+"""Is torch's grouped GEMM (``F.grouped_mm``, CUTLASS ptr-array, one fixed 128x256x64 tile for large groups) as
+fast per clock as cuBLAS on the MoE layer's six GEMMs? In the e2e mixtral kernel profile (87181e1) the 48 grouped
+GEMMs of a step ran at ~696 TFLOP/s and the dense cuBLAS GEMMs of the same step at ~763: if that gap is the
+kernel's and not the power cap's, an expert GEMM of our own is worth ~2.5 ms of the 69 ms step.
+
+For each shape, the six GEMMs of one layer's fwd+bwd, as autograd runs them for
+``F.grouped_mm(x, w.transpose(1, 2), offs)`` (forward; the input gradient; the weight gradient over ragged K),
+each three ways, interleaved round by round so that clocks and power are the same for all three:
+
+- ``grouped``: F.grouped_mm as the layer calls it;
+- ``loop``: one cuBLAS GEMM per expert with the group sizes on the host (what a host sync would allow);
+- ``dense``: one cuBLAS GEMM of the same FLOPs ([P, K] x [K, N], or K = P for the weight gradient).
+
+Then the six back to back (the layer's GEMM chain) each way, and the SM clock read through NVML after each round.
+
+    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import environment
+
+# (name, tokens, hidden, intermediate, experts, top_k)
+SHAPES = (("e2e_mixtral", 8192, 2048, 4096, 8, 2), ("e2e_finegrained", 8192, 2048, 1024, 64, 8),
+          ("mixtral_like", 8192, 4096, 14336, 8, 2))
+_FLUSH = None
+
+
+def _flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024**2 // 4, dtype=torch.int32, device="cuda")
+    _FLUSH.zero_()
+
+
+def _sm_clock_mhz() -> float | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+    except Exception:
+        return None
+
+
+def gemms(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0):
+    """The layer's six GEMMs as {name: (flops, {variant: fn})}, on one random routing's group sizes."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pairs = tokens * top_k
+    ids = torch.rand(tokens, experts, device="cuda", generator=g).topk(top_k, dim=1).indices.reshape(-1)
+    counts = torch.bincount(ids, minlength=experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    sizes = counts.tolist()
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(pairs, hidden, **kw)
+    act = torch.randn(pairs, inter, **kw)
+    d_out = torch.randn(pairs, hidden, **kw)
+    d_gu = torch.randn(pairs, 2 * inter, **kw)
+    w_gu = torch.randn(experts, 2 * inter, hidden, **kw) / hidden ** 0.5
+    w_dn = torch.randn(experts, hidden, inter, **kw) / inter ** 0.5
+
+    def loop_rows(a, w_of, n_out):  # rows grouped by expert times a per-expert matrix
+        out = a.new_empty(a.shape[0], n_out)
+        for e in range(experts):
+            s, t = starts[e], starts[e + 1]
+            if t > s:
+                torch.mm(a[s:t], w_of(e), out=out[s:t])
+        return out
+
+    def loop_wgrad(a, b):  # per-expert a[rows].T @ b[rows] into [E, a_cols, b_cols]
+        out = a.new_empty(experts, a.shape[1], b.shape[1])
+        for e in range(experts):
+            s, t = starts[e], starts[e + 1]
+            torch.mm(a[s:t].t(), b[s:t], out=out[e])
+        return out
+
+    w_gu_t, w_dn_t = w_gu.transpose(1, 2), w_dn.transpose(1, 2)
+    table = {
+        "gate_up fwd": (2 * pairs * hidden * 2 * inter, {
+            "grouped": lambda: F.grouped_mm(x, w_gu_t, offs=offs),
+            "loop": lambda: loop_rows(x, lambda e: w_gu[e].t(), 2 * inter),
+            "dense": lambda: torch.mm(x, w_gu[0].t())}),
+        "down fwd": (2 * pairs * inter * hidden, {
+            "grouped": lambda: F.grouped_mm(act, w_dn_t, offs=offs),
+            "loop": lambda: loop_rows(act, lambda e: w_dn[e].t(), hidden),
+            "dense": lambda: torch.mm(act, w_dn[0].t())}),
+        "down dgrad": (2 * pairs * hidden * inter, {
+            "grouped": lambda: F.grouped_mm(d_out, w_dn, offs=offs),
+            "loop": lambda: loop_rows(d_out, lambda e: w_dn[e], inter),
+            "dense": lambda: torch.mm(d_out, w_dn[0])}),
+        "down wgrad": (2 * pairs * inter * hidden, {
+            "grouped": lambda: F.grouped_mm(act.t(), d_out, offs=offs),
+            "loop": lambda: loop_wgrad(act, d_out),
+            "dense": lambda: torch.mm(act.t(), d_out)}),
+        "gate_up dgrad": (2 * pairs * 2 * inter * hidden, {
+            "grouped": lambda: F.grouped_mm(d_gu, w_gu, offs=offs),
+            "loop": lambda: loop_rows(d_gu, lambda e: w_gu[e], hidden),
+            "dense": lambda: torch.mm(d_gu, w_gu[0])}),
+        "gate_up wgrad": (2 * pairs * hidden * 2 * inter, {
+            "grouped": lambda: F.grouped_mm(x.t(), d_gu, offs=offs),
+            "loop": lambda: loop_wgrad(x, d_gu),
+            "dense": lambda: torch.mm(x.t(), d_gu)}),
+    }
+    # the loop's results equal the grouped ones (same math, cuBLAS vs CUTLASS summation order)
+    for name, (_, fns) in table.items():
+        ref, got = fns["grouped"]().float(), fns["loop"]().float()
+        err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+        if err > 2e-2:
+            raise AssertionError(f"{name}: per-expert loop differs from grouped_mm by {err:.3g} (relative)")
+    return table, sizes
+
+
+def time_interleaved(fns: dict, rounds: int) -> dict:
+    """Median ms per variant; each round runs every variant once (L2 flushed, GPU head start before each)."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    times = {v: [] for v in fns}
+    clocks = []
+    for _ in range(rounds):
+        events = []
+        for v, fn in fns.items():
+            _flush_l2()
+            torch.cuda._sleep(1_000_000)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            events.append((v, s, e))
+        torch.cuda.synchronize()
+        for v, s, e in events:
+            times[v].append(s.elapsed_time(e))
+        clock = _sm_clock_mhz()
+        if clock is not None:
+            clocks.append(clock)
+    out = {v: statistics.median(t) for v, t in times.items()}
+    out["sm_clock_mhz_median"] = statistics.median(clocks) if clocks else None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    wanted = args.shapes.split(",")
+    report = {"env": environment(), "rounds": args.rounds, "shapes": {}}
+    lines = []
+    for name, tokens, hidden, inter, experts, top_k in SHAPES:
+        if name not in wanted:
+            continue
+        table, sizes = gemms(tokens, hidden, inter, experts, top_k)
+        rows = {}
+        lines.append(f"\n{name}: T={tokens} H={hidden} I={inter} E={experts} k={top_k}, group sizes "
+                     f"{min(sizes)}..{max(sizes)}")
+        lines.append(f"{'GEMM':15s} {'grouped':>16s} {'loop':>16s} {'dense':>16s}  MHz")
+        total_flops = 0
+        for gemm, (flops, fns) in table.items():
+            t = time_interleaved(fns, args.rounds)
+            total_flops += flops
+            rows[gemm] = {"flops": flops, **{f"{v}_ms": t[v] for v in fns},
+                          **{f"{v}_tflops": flops / t[v] / 1e9 for v in fns}, "sm_clock_mhz": t["sm_clock_mhz_median"]}
+            lines.append(f"{gemm:15s} " + " ".join(f"{t[v]:7.3f} ms {flops / t[v] / 1e9:4.0f}T" for v in fns)
+                         + f"  {t['sm_clock_mhz_median']}")
+        chains = {v: (lambda v=v: [fns[v]() for _, fns in table.values()]) for v in ("grouped", "loop", "dense")}
+        t = time_interleaved(chains, max(10, args.rounds // 2))
+        rows["chain of six"] = {"flops": total_flops, **{f"{v}_ms": t[v] for v in chains},
+                                **{f"{v}_tflops": total_flops / t[v] / 1e9 for v in chains},
+                                "sm_clock_mhz": t["sm_clock_mhz_median"]}
+        lines.append(f"{'chain of six':15s} " + " ".join(f"{t[v]:7.3f} ms {total_flops / t[v] / 1e9:4.0f}T"
+                                                          for v in chains) + f"  {t['sm_clock_mhz_median']}")
+        report["shapes"][name] = {"group_sizes": sizes, "gemms": rows}
+        print("\n".join(lines[-9:]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnose_grouped_gemm.json").write_text(json.dumps(report, indent=1))
+    (out / "diagnose_grouped_gemm.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
