@@ -9,9 +9,7 @@ each three ways, interleaved round by round so that clocks and power are the sam
 
 - ``grouped``: F.grouped_mm as the layer calls it;
 - ``loop``: one cuBLAS GEMM per expert with the group sizes on the host (what a host sync would allow);
-- ``dense``: one cuBLAS GEMM of the same FLOPs ([P, K] x [K, N], or K = P for the weight gradient);
-- ``lf_c0`` .. ``lf_c2``: ours (ops.grouped_gemm) with each tile configuration, and ``lf`` with the one
-  ``choose_config`` picks (where the op builds: CUDA, CUTLASS headers).
+- ``dense``: one cuBLAS GEMM of the same FLOPs ([P, K] x [K, N], or K = P for the weight gradient).
 
 Then the six back to back (the layer's GEMM chain) each way, and the SM clock read through NVML after each round.
 
@@ -29,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import environment
-from ds_loongforge.ops.grouped_gemm import CONFIG_TILES, choose_config, grouped_linear_kernel
 
 # (name, tokens, hidden, intermediate, experts, top_k)
 SHAPES = (("e2e_mixtral", 8192, 2048, 4096, 8, 2), ("e2e_finegrained", 8192, 2048, 1024, 64, 8),
@@ -89,27 +86,6 @@ def gemms(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: 
         return out
 
     w_gu_t, w_dn_t = w_gu.transpose(1, 2), w_dn.transpose(1, 2)
-    kernel = grouped_linear_kernel(x, w_gu)
-    ours = {}  # gemm -> {variant: fn}
-    if kernel is not None:
-        n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        specs = {  # gemm: (call with a config, the config choose_config picks)
-            "gate_up fwd": (lambda c: kernel.rows(x, w_gu, offs, True, c),
-                            choose_config(pairs, experts, 2 * inter, False, n_sms)),
-            "down fwd": (lambda c: kernel.rows(act, w_dn, offs, True, c),
-                         choose_config(pairs, experts, hidden, False, n_sms)),
-            "down dgrad": (lambda c: kernel.rows(d_out, w_dn, offs, False, c),
-                           choose_config(pairs, experts, inter, False, n_sms)),
-            "down wgrad": (lambda c: kernel.wgrad(d_out, act, offs, c),
-                           choose_config(hidden, experts, inter, True, n_sms)),
-            "gate_up dgrad": (lambda c: kernel.rows(d_gu, w_gu, offs, False, c),
-                              choose_config(pairs, experts, hidden, False, n_sms)),
-            "gate_up wgrad": (lambda c: kernel.wgrad(d_gu, x, offs, c),
-                              choose_config(2 * inter, experts, hidden, True, n_sms)),
-        }
-        for name, (call, picked) in specs.items():
-            ours[name] = {f"lf_c{c}": (lambda c=c, call=call: call(c)) for c in range(len(CONFIG_TILES))}
-            ours[name]["lf"] = lambda call=call, picked=picked: call(picked)
     table = {
         "gate_up fwd": (2 * pairs * hidden * 2 * inter, {
             "grouped": lambda: F.grouped_mm(x, w_gu_t, offs=offs),
@@ -136,21 +112,12 @@ def gemms(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: 
             "loop": lambda: loop_wgrad(x, d_gu),
             "dense": lambda: torch.mm(x.t(), d_gu)}),
     }
-    for name, fns in ours.items():
-        table[name][1].update(fns)
-    # every variant's result equals the grouped one (same math, another summation order); ours are written in
-    # the weight's own layout for the weight gradients ([E, O, I]), torch's in the transposed one
+    # the loop's results equal the grouped ones (same math, cuBLAS vs CUTLASS summation order)
     for name, (_, fns) in table.items():
-        ref = fns["grouped"]().float()
-        for variant, fn in fns.items():
-            if variant in ("grouped", "dense"):
-                continue
-            got = fn().float()
-            if got.shape != ref.shape:
-                got = got.transpose(1, 2)
-            err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-            if err > 2e-2:
-                raise AssertionError(f"{name}: {variant} differs from grouped_mm by {err:.3g} (relative)")
+        ref, got = fns["grouped"]().float(), fns["loop"]().float()
+        err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+        if err > 2e-2:
+            raise AssertionError(f"{name}: per-expert loop differs from grouped_mm by {err:.3g} (relative)")
     return table, sizes
 
 
@@ -199,8 +166,7 @@ def main() -> None:
         rows = {}
         lines.append(f"\n{name}: T={tokens} H={hidden} I={inter} E={experts} k={top_k}, group sizes "
                      f"{min(sizes)}..{max(sizes)}")
-        variants = list(next(iter(table.values()))[1])
-        lines.append(f"{'GEMM':15s} " + " ".join(f"{v:>16s}" for v in variants) + "  MHz")
+        lines.append(f"{'GEMM':15s} {'grouped':>16s} {'loop':>16s} {'dense':>16s}  MHz")
         total_flops = 0
         for gemm, (flops, fns) in table.items():
             t = time_interleaved(fns, args.rounds)
@@ -209,13 +175,12 @@ def main() -> None:
                           **{f"{v}_tflops": flops / t[v] / 1e9 for v in fns}, "sm_clock_mhz": t["sm_clock_mhz_median"]}
             lines.append(f"{gemm:15s} " + " ".join(f"{t[v]:7.3f} ms {flops / t[v] / 1e9:4.0f}T" for v in fns)
                          + f"  {t['sm_clock_mhz_median']}")
-        chains = {v: (lambda v=v: [fns[v]() for _, fns in table.values()])
-                  for v in ("grouped", "loop", "dense", "lf") if v in variants}
+        chains = {v: (lambda v=v: [fns[v]() for _, fns in table.values()]) for v in ("grouped", "loop", "dense")}
         t = time_interleaved(chains, max(10, args.rounds // 2))
         rows["chain of six"] = {"flops": total_flops, **{f"{v}_ms": t[v] for v in chains},
                                 **{f"{v}_tflops": total_flops / t[v] / 1e9 for v in chains},
                                 "sm_clock_mhz": t["sm_clock_mhz_median"]}
-        lines.append(f"{'chain of six':15s} " + " ".join(f"{v} {t[v]:7.3f} ms {total_flops / t[v] / 1e9:4.0f}T"
+        lines.append(f"{'chain of six':15s} " + " ".join(f"{t[v]:7.3f} ms {total_flops / t[v] / 1e9:4.0f}T"
                                                           for v in chains) + f"  {t['sm_clock_mhz_median']}")
         report["shapes"][name] = {"group_sizes": sizes, "gemms": rows}
         print("\n".join(lines[-9:]), flush=True)

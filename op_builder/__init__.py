@@ -3,7 +3,6 @@
 from .adamw import FusedAdamWClipBuilder, FusedAdamWClipCPUBuilder
 from .builder import OpBuildError, all_builders, build_ops, csrc_root, cuda_builders
 from .cross_entropy import FusedCrossEntropyBuilder, FusedCrossEntropyCPUBuilder
-from .grouped_gemm import GroupedGemmBuilder
 from .moe_dispatch import MoEDispatchBuilder, MoEDispatchCPUBuilder
 from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
 from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
@@ -12,5 +11,4 @@ __all__ = [
     "OpBuildError", "all_builders", "build_ops", "csrc_root", "cuda_builders", "FusedRMSNormBuilder", "FusedRMSNormCPUBuilder",
     "FusedSwiGLUBuilder", "FusedSwiGLUCPUBuilder", "MoEDispatchBuilder", "MoEDispatchCPUBuilder",
     "FusedAdamWClipBuilder", "FusedAdamWClipCPUBuilder", "FusedCrossEntropyBuilder", "FusedCrossEntropyCPUBuilder",
-    "GroupedGemmBuilder",
 ]

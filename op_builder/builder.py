@@ -318,14 +318,13 @@ def build_ops(builders: list, max_parallel: int | None = None) -> dict[str, obje
 def all_builders() -> list[OpBuilder]:
     from .adamw import FusedAdamWClipBuilder, FusedAdamWClipCPUBuilder
     from .cross_entropy import FusedCrossEntropyBuilder, FusedCrossEntropyCPUBuilder
-    from .grouped_gemm import GroupedGemmBuilder
     from .moe_dispatch import MoEDispatchBuilder, MoEDispatchCPUBuilder
     from .rmsnorm import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
     from .swiglu import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
 
     return [FusedRMSNormBuilder(), FusedRMSNormCPUBuilder(), FusedSwiGLUBuilder(), FusedSwiGLUCPUBuilder(),
             MoEDispatchBuilder(), MoEDispatchCPUBuilder(), FusedAdamWClipBuilder(), FusedAdamWClipCPUBuilder(),
-            FusedCrossEntropyBuilder(), FusedCrossEntropyCPUBuilder(), GroupedGemmBuilder()]
+            FusedCrossEntropyBuilder(), FusedCrossEntropyCPUBuilder()]
 
 
 def cuda_builders() -> list[OpBuilder]:

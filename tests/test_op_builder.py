@@ -189,8 +189,7 @@ def test_cuda_ops_compile():
     from ds_loongforge.op_builder import cuda_builders
 
     builders = cuda_builders()
-    # every op has a CUDA and a CPU build, but the grouped GEMM, whose CPU path is one torch GEMM per group
-    assert len(builders) == 6 and len(all_builders()) == 11
+    assert len(builders) == 5 and len(builders) * 2 == len(all_builders())  # every op has a CUDA and a CPU build
     for builder in builders:
         module = builder.load()
         assert module.device == "cuda"

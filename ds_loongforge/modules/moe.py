@@ -47,7 +47,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops.grouped_gemm import grouped_linear, grouped_linear_kernel
 from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute, sort_routing_keys
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
@@ -223,12 +222,11 @@ EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 
 def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                   mode: str = "auto", counts: list[int] | None = None,
-                  offs_E: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+                  offs_E: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x_PI grouped by expert (expert-major, group sizes tokens_per_expert_E) times each group's
-    w_EOI[e].T. ``grouped_mm``: one grouped GEMM ("auto" takes it where supported) over the group ends
-    ``offs_E`` (int32 cumsum of the sizes; computed here if not given): ours (ops.grouped_gemm, CUTLASS with a
-    tile per product) where it runs, else torch's F.grouped_mm. ``loop``: one GEMM per expert that got tokens,
-    from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
+    w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported), over the group
+    ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given). ``loop``: one GEMM per expert
+    that got tokens, from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
     if mode not in EXPERT_COMPUTE:
         raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {mode!r}")
     if mode == "grouped_mm" and not _grouped_mm_supported(x_PI, w_EOI):
@@ -238,9 +236,6 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
     if mode != "loop" and _grouped_mm_supported(x_PI, w_EOI):
         if offs_E is None:
             offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
-        kernel = grouped_linear_kernel(x_PI, w_EOI, impl)
-        if kernel is not None:
-            return grouped_linear(x_PI, w_EOI, offs_E, kernel)
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync
@@ -435,10 +430,9 @@ class ExpertMaskedMoE(nn.Module):
                                     else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
         gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
         down = self.experts.down_proj if down is None else down
-        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E,
-                                    self.impl)
+        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
-        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, self.impl)
+        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E)
 
     def _use_loop(self, x_PH: torch.Tensor) -> bool:
         if self.expert_compute != "auto":

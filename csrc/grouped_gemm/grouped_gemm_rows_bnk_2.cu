@@ -1,4 +1,0 @@
-// run_rows_bnk with the Pong128x128 tile configuration (one instantiation per file: ninja compiles them in parallel)
-#include "grouped_gemm_kernel.cuh"
-
-LF_GROUPED_GEMM_INSTANCE(run_rows_bnk, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, 2, Pong128x128)
