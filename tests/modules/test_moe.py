@@ -125,6 +125,84 @@ def test_expert_compute_loop_equals_grouped_mm(impl):
     assert empty[0].shape == (0, 16) and all(g is not None and not g.any() for g in empty[1:])
 
 
+def _grouped_grads(fn, x, w, offs, dy):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = fn(x, w, offs)
+    return (y.detach(), *torch.autograd.grad(y, (x, w), dy.to(y.dtype)))
+
+
+class _NotReady:
+    """HostCounts whose copy has not finished (the backward must not wait for it)."""
+
+    def get(self):
+        return None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("counts", [[700, 0, 300, 48], [0, 0, 1048, 0], [256, 256, 256, 280]],
+                         ids=["idle_expert", "one_expert_all_rows", "balanced"])
+def test_grouped_expert_backward_per_expert_and_grouped_equal_fp64(impl, counts):
+    from ds_loongforge.modules.moe import HostCounts, _GroupedExpertLinear
+
+    dtype = torch.bfloat16 if impl == "cuda" else torch.float32  # torch's grouped GEMM: bf16 on CUDA
+    g = torch.Generator().manual_seed(sum(counts))
+    x = torch.randn(sum(counts), 64, generator=g).to(impl, dtype)
+    w = (torch.randn(len(counts), 96, 64, generator=g) / 8).to(impl, dtype)
+    dy = torch.randn(sum(counts), 96, generator=g).to(impl, dtype)
+    sizes = torch.tensor(counts, device=impl)
+    offs = sizes.cumsum(0).to(torch.int32)
+
+    def reference(x, w, offs):
+        ends = [0] + offs.tolist()
+        return torch.cat([x[a:b] @ w[e].t() for e, (a, b) in enumerate(zip(ends, ends[1:]))])
+
+    ref = _grouped_grads(reference, x.double().cpu(), w.double().cpu(), offs.cpu(), dy.double().cpu())
+    eager = _grouped_grads(lambda a, b, o: torch.nn.functional.grouped_mm(a, b.transpose(1, 2), offs=o), x, w, offs,
+                           dy)
+    per_expert = _grouped_grads(lambda a, b, o: _GroupedExpertLinear.apply(a, b, o, HostCounts(sizes)), x, w, offs,
+                                dy)
+    grouped = _grouped_grads(lambda a, b, o: _GroupedExpertLinear.apply(a, b, o, _NotReady()), x, w, offs, dy)
+    for name, r, e, p, q in zip(("y", "dx", "dw"), ref, eager, per_expert, grouped):
+        assert p.shape == q.shape == r.shape, name
+        scale = float(r.abs().max())
+        torch_err = float((e.double().cpu() - r).abs().max())
+        for got in (p, q):  # either backward within 2x torch's own error (a rounding's floor)
+            err = float((got.double().cpu() - r).abs().max())
+            assert err <= max(2 * torch_err, 8 * torch.finfo(dtype).eps * scale), (name, err, torch_err)
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert not per_expert[2][e].any() and not grouped[2][e].any()  # zeros, not garbage, not None
+
+
+def test_layer_backward_reads_host_counts_where_per_expert_gemms_pay(monkeypatch):
+    from ds_loongforge.modules import moe as moe_module
+
+    reads = []
+    original = moe_module.HostCounts.get
+    monkeypatch.setattr(moe_module.HostCounts, "get", lambda self: reads.append(1) or original(self))
+    layer = ExpertMaskedMoE(16, 32, 4, 2)
+    x = torch.randn(2048, 16)  # 4096 pairs on 4 experts: 1024 rows per expert
+    layer(x).sum().backward()
+    assert len(reads) == 2  # the gate_up and the down projections' backward
+    reads.clear()
+    ExpertMaskedMoE(16, 32, 4, 2)(x[:1000]).sum().backward()  # 500 rows per expert: the grouped GEMM alone
+    assert reads == []
+
+
+def test_host_counts_are_never_waited_for():
+    from ds_loongforge.modules.moe import HostCounts
+
+    counts = HostCounts(torch.tensor([3, 0, 5]))
+    assert counts.get() == [3, 0, 5]  # on the CPU: read directly
+
+    class Pending:
+        def query(self):
+            return False
+
+    counts._event = Pending()
+    assert counts.get() is None  # the copy has not landed: the backward takes the grouped GEMM, no wait
+
+
 def test_routing_stats_dropless():
     moe = ExpertMaskedMoE(16, 16, 8, 2, impl="cpu")
     moe(torch.randn(4, 25, 16))
