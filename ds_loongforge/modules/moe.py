@@ -219,95 +219,14 @@ def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features:
 
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 
-# The grouped GEMM's backward takes one cuBLAS GEMM per expert where experts are few and large: on the four
-# backward products of the e2e mixtral layer (8 experts, ~2048 rows each) torch's grouped GEMM took 2.39 ms and
-# the per-expert cuBLAS GEMMs 2.28 (benchmarks/diagnose_grouped_gemm, 685b607; the input gradient of gate_up 0.81
-# vs 0.73 ms), while with 64 experts of ~1024 rows the per-expert GEMMs ran at half the grouped rate (ab44d7f).
-# The forward keeps the grouped GEMM: there the group sizes are not on the host without a wait.
-LOOP_BACKWARD_MAX_EXPERTS = 16
-LOOP_BACKWARD_MIN_ROWS_PER_EXPERT = 1024
-
-
-class HostCounts:
-    """Rows per expert copied to pinned host memory behind the routing, with no host wait: the backward reads
-    them only if the copy has finished by then (an event query, never a wait), else it takes the grouped GEMM.
-    On the CPU the counts are read directly; under CUDA graph capture there are none."""
-
-    def __init__(self, tokens_per_expert_E: torch.Tensor):
-        self._event = self._host = None
-        if tokens_per_expert_E.device.type == "cpu":
-            self._host = tokens_per_expert_E.detach()
-        elif tokens_per_expert_E.is_cuda and not torch.cuda.is_current_stream_capturing():
-            self._host = torch.empty(tokens_per_expert_E.shape, dtype=tokens_per_expert_E.dtype, pin_memory=True)
-            self._host.copy_(tokens_per_expert_E.detach(), non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def get(self) -> list[int] | None:
-        if self._host is None or (self._event is not None and not self._event.query()):
-            return None
-        return self._host.tolist()
-
-
-class _GroupedExpertLinear(torch.autograd.Function):
-    """y = F.grouped_mm(x, w.transpose(1, 2), offs), whose backward runs per-expert cuBLAS GEMMs when the
-    group sizes reached the host in time (HostCounts) and the experts are few and large (above), else the
-    grouped GEMMs torch's own backward would run, with the same gradient layouts."""
-
-    @staticmethod
-    def forward(ctx, x_PI, w_EOI, offs_E, host_counts):
-        ctx.save_for_backward(x_PI, w_EOI, offs_E)
-        ctx.host_counts = host_counts
-        return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy_PO):
-        x_PI, w_EOI, offs_E = ctx.saved_tensors
-        dy_PO = dy_PO.contiguous()
-        counts = ctx.host_counts.get() if ctx.host_counts is not None else None
-        if counts is not None and sum(counts) != x_PI.shape[0]:
-            counts = None  # rows past the last group end: only the grouped GEMM's contract covers them
-        dx = dw = None
-        if counts is None:
-            if ctx.needs_input_grad[0]:
-                dx = F.grouped_mm(dy_PO, w_EOI, offs=offs_E)
-            if ctx.needs_input_grad[1]:
-                dw = F.grouped_mm(x_PI.t(), dy_PO, offs=offs_E).transpose(1, 2)
-            return dx, dw, None, None
-        if ctx.needs_input_grad[0]:
-            dx = dy_PO.new_empty(x_PI.shape)
-        if ctx.needs_input_grad[1]:
-            dw_EIO = x_PI.new_empty(w_EOI.shape[0], w_EOI.shape[2], w_EOI.shape[1])  # torch's layout, as above
-        start = 0
-        for e, n in enumerate(counts):
-            rows = slice(start, start + n)
-            if dx is not None and n:
-                torch.mm(dy_PO[rows], w_EOI[e], out=dx[rows])
-            if ctx.needs_input_grad[1]:
-                if n:
-                    torch.mm(x_PI[rows].t(), dy_PO[rows], out=dw_EIO[e])
-                else:
-                    dw_EIO[e].zero_()  # an expert without rows: a zero gradient, never None
-            start += n
-        if ctx.needs_input_grad[1]:
-            dw = dw_EIO.transpose(1, 2)
-        return dx, dw, None, None
-
-
-def _loop_backward_pays(rows: int, experts: int) -> bool:
-    return experts <= LOOP_BACKWARD_MAX_EXPERTS and rows >= LOOP_BACKWARD_MIN_ROWS_PER_EXPERT * experts
-
 
 def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                   mode: str = "auto", counts: list[int] | None = None,
-                  offs_E: torch.Tensor | None = None, host_counts: HostCounts | None = None) -> torch.Tensor:
+                  offs_E: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x_PI grouped by expert (expert-major, group sizes tokens_per_expert_E) times each group's
     w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported), over the group
-    ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given); its backward runs per-expert
-    cuBLAS GEMMs where they pay and ``host_counts`` has the sizes on the host in time (_GroupedExpertLinear).
-    ``loop``: one GEMM per expert that got tokens, from ``counts`` (host copy of the sizes; read here if not
-    given: a host sync)."""
+    ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given). ``loop``: one GEMM per expert
+    that got tokens, from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
     if mode not in EXPERT_COMPUTE:
         raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {mode!r}")
     if mode == "grouped_mm" and not _grouped_mm_supported(x_PI, w_EOI):
@@ -317,9 +236,7 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
     if mode != "loop" and _grouped_mm_supported(x_PI, w_EOI):
         if offs_E is None:
             offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
-        if host_counts is None or not _loop_backward_pays(x_PI.shape[0], w_EOI.shape[0]):
-            return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
-        return _GroupedExpertLinear.apply(x_PI, w_EOI, offs_E, host_counts)
+        return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync
     pieces, start = [], 0
@@ -513,13 +430,9 @@ class ExpertMaskedMoE(nn.Module):
                                     else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
         gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
         down = self.experts.down_proj if down is None else down
-        host_counts = None
-        if not loop and torch.is_grad_enabled() and _loop_backward_pays(x_PH.shape[0], gate_up.shape[0]):
-            host_counts = HostCounts(tokens_per_expert_E)  # for the backward, copied behind the routing
-        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E,
-                                    host_counts)
+        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
-        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, host_counts)
+        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E)
 
     def _use_loop(self, x_PH: torch.Tensor) -> bool:
         if self.expert_compute != "auto":
