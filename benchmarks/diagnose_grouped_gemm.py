@@ -11,7 +11,7 @@ each three ways, interleaved round by round so that clocks and power are the sam
 - ``loop``: one cuBLAS GEMM per expert with the group sizes on the host (what a host sync would allow);
 - ``dense``: one cuBLAS GEMM of the same FLOPs ([P, K] x [K, N], or K = P for the weight gradient).
 
-Then the six back to back (the layer's GEMM chain) each way, and the SM clock read through NVML after each round.
+Then the six back to back (the layer's GEMM chain) each way, and the SM clock read through NVML after each row's rounds.
 
     python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR]
 """
@@ -20,34 +20,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import environment
+from benchmarks.harness import Timer, environment
+from ds_loongforge.profiler import nvml_errors
 
 # (name, tokens, hidden, intermediate, experts, top_k)
 SHAPES = (("e2e_mixtral", 8192, 2048, 4096, 8, 2), ("e2e_finegrained", 8192, 2048, 1024, 64, 8),
           ("mixtral_like", 8192, 4096, 14336, 8, 2))
-_FLUSH = None
+_clock_note: str | None = None  # why the SM clock cannot be read here, once known
 
 
-def _flush_l2():
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024**2 // 4, dtype=torch.int32, device="cuda")
-    _FLUSH.zero_()
-
-
-def _sm_clock_mhz() -> float | None:
+def sm_clock_mhz() -> float | None:
+    """The SM clock now (torch's NVML query), or None where NVML is missing (printed once)."""
+    global _clock_note
+    if _clock_note is not None:
+        return None
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
-    except Exception:
+        return float(torch.cuda.clock_rate())
+    except nvml_errors() as err:
+        _clock_note = f"SM clock not read: NVML unavailable ({type(err).__name__}: {err}); install nvidia-ml-py"
+        print(_clock_note, flush=True)
         return None
 
 
@@ -122,31 +118,9 @@ def gemms(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: 
 
 
 def time_interleaved(fns: dict, rounds: int) -> dict:
-    """Median ms per variant; each round runs every variant once (L2 flushed, GPU head start before each)."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    times = {v: [] for v in fns}
-    clocks = []
-    for _ in range(rounds):
-        events = []
-        for v, fn in fns.items():
-            _flush_l2()
-            torch.cuda._sleep(1_000_000)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            events.append((v, s, e))
-        torch.cuda.synchronize()
-        for v, s, e in events:
-            times[v].append(s.elapsed_time(e))
-        clock = _sm_clock_mhz()
-        if clock is not None:
-            clocks.append(clock)
-    out = {v: statistics.median(t) for v, t in times.items()}
-    out["sm_clock_mhz_median"] = statistics.median(clocks) if clocks else None
+    """Median ms per variant, interleaved round by round (harness Timer), and the SM clock after the rounds."""
+    out = Timer(warmup=3, repeats=rounds, head_start_cycles=1_000_000).interleaved(fns)
+    out["sm_clock_mhz_median"] = sm_clock_mhz()
     return out
 
 

@@ -9,6 +9,7 @@ warm-up is reported. Fwd+bwd is timed with torch.autograd.grad (no leaf .grad ac
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -76,31 +77,54 @@ def parse_names(value: str, choices, flag: str) -> list[str]:
     return names
 
 
+@functools.lru_cache(maxsize=1)
+def _flush_buffer() -> torch.Tensor:
+    """One L2-flush buffer per process, shared by every Timer."""
+    return torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+
 class Timer:
     def __init__(self, warmup: int = 10, repeats: int = 100, head_start_cycles: int = 2_000_000):
         self.warmup = warmup
         self.repeats = repeats
         self.head_start_cycles = head_start_cycles  # ~1 ms at the H200's ~2 GHz
-        self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self._flush = _flush_buffer()
+
+    def _timed(self, fn: Callable[[], object]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue one timed call: L2 flushed, then a GPU-side head start, so the host has queued all of fn's
+        launches before the GPU reaches the start event (the events bracket GPU work, not dispatch)."""
+        self._flush.zero_()
+        torch.cuda._sleep(self.head_start_cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        return start, end
 
     def __call__(self, fn: Callable[[], object]) -> tuple[float, float, float]:
         """(median, p10, p90) milliseconds of fn() on the GPU, L2 flushed before each repeat."""
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
-        for i in range(self.repeats):
-            self._flush.zero_()
-            # a GPU-side head start, so the host has queued all of fn's launches before the GPU reaches
-            # the start event: the events then bracket GPU work, not Python/autograd dispatch
-            torch.cuda._sleep(self.head_start_cycles)
-            starts[i].record()
-            fn()
-            ends[i].record()
+        events = [self._timed(fn) for _ in range(self.repeats)]
         torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        times = sorted(s.elapsed_time(e) for s, e in events)
         return statistics.median(times), times[len(times) // 10], times[(9 * len(times)) // 10]
+
+    def interleaved(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """Median milliseconds of each fn, timed round by round (every fn once per round, in order), so that
+        clocks and power, which drift under a sustained load, are the same for all of them."""
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.synchronize()
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(self.repeats):
+            events = [(name, self._timed(fn)) for name, fn in fns.items()]
+            torch.cuda.synchronize()
+            for name, (s, e) in events:
+                times[name].append(s.elapsed_time(e))
+        return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure_copy_bandwidth(timer: Timer, n_bytes: int = 2 * 1024**3) -> float:

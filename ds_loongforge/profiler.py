@@ -451,13 +451,13 @@ class _Session:
         self.next_gpu_sample = time.monotonic() + GPU_UTILIZATION_PERIOD_S
         try:
             percent = torch.cuda.utilization(self.clock.device)
-        except _nvml_errors() as err:  # no pynvml / no NVML driver: reported as the reason, not retried
+        except nvml_errors() as err:  # no pynvml / no NVML driver: reported as the reason, not retried
             self.gpu_utilization_note = f"NVML unavailable ({type(err).__name__}: {err}); install nvidia-ml-py"
             return
         self.gpu_utilization.append(float(percent))
 
 
-def _nvml_errors() -> tuple[type[BaseException], ...]:
+def nvml_errors() -> tuple[type[BaseException], ...]:
     """What ``torch.cuda.utilization`` raises without a working NVML: ModuleNotFoundError without pynvml,
     RuntimeError without a driver, pynvml's NVMLError for the rest."""
     try:

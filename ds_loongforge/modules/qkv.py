@@ -19,8 +19,8 @@ GEMMs, two of them narrow (KV = H / 4 at the e2e mixtral shape, where the H200 r
 * Modules, Parameters, names and state-dict keys stay as they were; nothing is copied at inject.
 
 The outputs are column slices of the [T, N] product (views, row stride N): the attention's ``view`` +
-``transpose`` take them as they take a contiguous tensor, and a kernel that needs contiguous q or k (Liger's
-RoPE) copies them, as it would any strided input.
+``transpose`` take them as they take a contiguous tensor; the fused RoPE (integrations.rope.RowStridedRope) rotates
+them in place, and a kernel that needs contiguous q or k copies them, as it would any strided input.
 """
 
 from __future__ import annotations
