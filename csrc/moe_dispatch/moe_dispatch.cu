@@ -5,7 +5,8 @@
 //       dst_PH[slot[t, j]] = w[t, j] * src_TH[t]                     (w = 1: an exact copy)
 //       dweights_TK[t, j]  = sum_h src_TH[t, h] * y_PH[slot[t, j], h] (unpermute backward, fp32)
 //   gather (permute backward, unpermute forward):
-//       dst_TH[t] = sum_j w[t, j] * src_PH[slot[t, j]]               (fp32 in registers, one rounding)
+//       dst_TH[t] = r[t] + sum_j w[t, j] * src_PH[slot[t, j]]        (fp32 in registers, one rounding;
+//                                                                      r: the residual, 0 without one)
 //
 // Both walk tokens: each token row is read once (permute forward writes its K copies instead of
 // gathering P rows, which would read every x row K times), every P row is written exactly once (slot is
@@ -112,25 +113,45 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-template <typename T, int V, bool WEIGHTED>
+// The gather reads the rows of kLoadsInFlight pairs of a token before it adds the first, so that a thread has
+// that many 16-byte reads in flight instead of one dependent load at a time; the sum runs j = 0..K-1 in order in
+// fp32 registers, after the residual when there is one, and is rounded once.
+template <typename T, int V, bool WEIGHTED, bool RESIDUAL>
 __global__ void __launch_bounds__(kThreads)
     moe_gather_rows_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
-                           const float* __restrict__ weights, T* __restrict__ dst, int64_t tokens, int k,
-                           int n_vec) {
+                           const float* __restrict__ weights, const T* __restrict__ residual, int64_t res_stride,
+                           T* __restrict__ dst, int64_t tokens, int k, int n_vec) {
     const int64_t hidden = static_cast<int64_t>(n_vec) * V;
     for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; t < tokens;
          t += static_cast<int64_t>(gridDim.x) * blockDim.y) {
         const int64_t* slot_t = slot + t * k;
         for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
             float acc[V];
+            if constexpr (RESIDUAL) {
+                const Vec<T, V> rv = load_vec<T, V>(residual + t * res_stride + c * V);
 #pragma unroll
-            for (int e = 0; e < V; ++e) acc[e] = 0.f;
-#pragma unroll 4
-            for (int j = 0; j < k; ++j) {
-                const Vec<T, V> v = load_vec<T, V>(src + slot_t[j] * src_stride + c * V);
-                const float w = WEIGHTED ? weights[t * k + j] : 1.f;
+                for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
+            } else {
 #pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] = fmaf(w, static_cast<float>(v.val[e]), acc[e]);
+                for (int e = 0; e < V; ++e) acc[e] = 0.f;
+            }
+            for (int j0 = 0; j0 < k; j0 += kLoadsInFlight) {
+                Vec<T, V> v[kLoadsInFlight];
+                float w[kLoadsInFlight];
+#pragma unroll
+                for (int d = 0; d < kLoadsInFlight; ++d) {
+                    if (j0 + d < k) {
+                        v[d] = load_vec<T, V>(src + slot_t[j0 + d] * src_stride + c * V);
+                        w[d] = WEIGHTED ? weights[t * k + j0 + d] : 1.f;
+                    }
+                }
+#pragma unroll
+                for (int d = 0; d < kLoadsInFlight; ++d) {
+                    if (j0 + d < k) {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[e] = fmaf(w[d], static_cast<float>(v[d].val[e]), acc[e]);
+                    }
+                }
             }
             Vec<T, V> out;
 #pragma unroll
@@ -211,29 +232,35 @@ void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, 
 }
 
 void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                          const at::Tensor& dst_TH) {
+                          const at::Tensor& residual_TH, const at::Tensor& dst_TH) {
     const int64_t tokens = slot_TK.size(0);
     const int k = static_cast<int>(slot_TK.size(1));
     const int64_t hidden = src_PH.size(1);
     const bool weighted = weights_TK.defined();
+    const bool has_residual = residual_TH.defined();
     const c10::cuda::CUDAGuard guard(src_PH.device());
     if (tokens == 0 || hidden == 0) return;
     auto stream = c10::cuda::getCurrentCUDAStream();
     LF_DISPATCH_FLOATING(src_PH.scalar_type(), "moe_gather_rows", [&] {
         using T = scalar_t;
         const float* weights = weighted ? weights_TK.data_ptr<float>() : nullptr;
-        dispatch_vec<T>(hidden, rows_aligned16(src_PH) && rows_aligned16(dst_TH), [&]<int V>() {
+        const T* residual = has_residual ? residual_TH.data_ptr<T>() : nullptr;
+        const int64_t res_stride = has_residual ? residual_TH.stride(0) : 0;
+        const bool aligned =
+            rows_aligned16(src_PH) && rows_aligned16(dst_TH) && (!has_residual || rows_aligned16(residual_TH));
+        dispatch_vec<T>(hidden, aligned, [&]<int V>() {
             const int n_vec = static_cast<int>(hidden / V);
             const TokenLaunch l = plan_token_launch(tokens, n_vec);
-            if (weighted) {
-                moe_gather_rows_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
-                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights,
-                    dst_TH.data_ptr<T>(), tokens, k, n_vec);
-            } else {
-                moe_gather_rows_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
-                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights,
-                    dst_TH.data_ptr<T>(), tokens, k, n_vec);
-            }
+            auto launch = [&]<bool WEIGHTED, bool RESIDUAL>() {
+                moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
+                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
+                    res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
+            };
+            // the combinations the ops use: permute backward (a plain sum), unpermute forward with or without
+            // the residual
+            if (!weighted) launch.template operator()<false, false>();
+            else if (has_residual) launch.template operator()<true, true>();
+            else launch.template operator()<true, false>();
             LF_CUDA_CHECK_LAUNCH();
         });
     });

@@ -3,8 +3,8 @@
 // build supplies the two row kernels they are made of (moe_dispatch.cu on CUDA, moe_dispatch_cpu.cpp on the CPU)
 // and the routing sort (moe_routing.cu, moe_routing_cpu.cpp):
 //   scatter: dst_PH[slot_TK[t, j]] = w[t, j] * src_TH[t]  (+ dweights_TK[t, j] = src_TH[t] . y_PH[slot_TK[t, j]])
-//   gather:  dst_TH[t] = sum_j w[t, j] * src_PH[slot_TK[t, j]]                  (fp32, one rounding)
-// An undefined weights_TK means w = 1; an undefined y_PH skips dweights.
+//   gather:  dst_TH[t] = r[t] + sum_j w[t, j] * src_PH[slot_TK[t, j]]           (fp32, one rounding)
+// An undefined weights_TK means w = 1; an undefined y_PH skips dweights; an undefined residual_TH means r = 0.
 // pybind11 with torch's Tensor/optional casters only: torch/extension.h (all of libtorch's C++ API)
 // made a binding the slowest unit of a cold build (26 s vs 10 s on 2 cores).
 #include <torch/csrc/utils/pybind.h>
@@ -16,7 +16,7 @@ namespace loongforge {
 void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                            const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                          const at::Tensor& dst_TH);
+                          const at::Tensor& residual_TH, const at::Tensor& dst_TH);
 void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                               const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 void moe_router_topk_fwd_cuda(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
@@ -34,7 +34,7 @@ constexpr c10::DeviceType kDispatchDevice = c10::DeviceType::CUDA;
 void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                           const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                         const at::Tensor& dst_TH);
+                         const at::Tensor& residual_TH, const at::Tensor& dst_TH);
 void moe_routing_indices_cpu(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                              const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 void moe_router_topk_fwd_cpu(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
@@ -62,14 +62,16 @@ at::Tensor permute_fwd(const at::Tensor& x_TH, const at::Tensor& slot_TK) {
 at::Tensor permute_bwd(const at::Tensor& dx_PH, const at::Tensor& slot_TK) {
     check_permute_bwd_args(dx_PH, slot_TK, kDispatchDevice);
     auto dx_TH = at::empty({slot_TK.size(0), dx_PH.size(1)}, dx_PH.options());
-    LF_GATHER_ROWS(dx_PH, slot_TK, at::Tensor(), dx_TH);
+    LF_GATHER_ROWS(dx_PH, slot_TK, at::Tensor(), at::Tensor(), dx_TH);
     return dx_TH;
 }
 
-at::Tensor unpermute_fwd(const at::Tensor& y_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK) {
-    check_unpermute_fwd_args(y_PH, slot_TK, weights_TK, kDispatchDevice);
+at::Tensor unpermute_fwd(const at::Tensor& y_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
+                         const c10::optional<at::Tensor>& residual_TH) {
+    check_unpermute_fwd_args(y_PH, slot_TK, weights_TK, residual_TH, kDispatchDevice);
     auto out_TH = at::empty({slot_TK.size(0), y_PH.size(1)}, y_PH.options());
-    LF_GATHER_ROWS(y_PH, slot_TK, weights_TK, out_TH);
+    const bool has_residual = residual_TH.has_value() && residual_TH->defined();
+    LF_GATHER_ROWS(y_PH, slot_TK, weights_TK, has_residual ? *residual_TH : at::Tensor(), out_TH);
     return out_TH;
 }
 
@@ -125,7 +127,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("permute_backward", &loongforge::permute_bwd, py::arg("dx_PH"), py::arg("slot_TK"),
           "dx_TH[t] = sum_j dx_PH[slot_TK[t, j]] (fp32 accumulation, one rounding)");
     m.def("unpermute_forward", &loongforge::unpermute_fwd, py::arg("y_PH"), py::arg("slot_TK"),
-          py::arg("weights_TK"), "out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]] (fp32 accumulation)");
+          py::arg("weights_TK"), py::arg("residual_TH") = py::none(),
+          "out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]] (fp32 accumulation, one "
+          "rounding; residual None: 0)");
     m.def("unpermute_backward", &loongforge::unpermute_bwd, py::arg("dout_TH"), py::arg("y_PH"),
           py::arg("slot_TK"), py::arg("weights_TK"),
           "returns (dy_PH, dweights_TK[fp32] or None when y_PH is None)");

@@ -78,11 +78,19 @@ inline void check_permute_bwd_args(const at::Tensor& dx_PH, const at::Tensor& sl
 }
 
 inline void check_unpermute_fwd_args(const at::Tensor& y_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                                     c10::DeviceType device) {
+                                     const c10::optional<at::Tensor>& residual_TH, c10::DeviceType device) {
     check_dispatch_rows(y_PH, "moe_unpermute", "y_PH", device);
     check_dispatch_slot(slot_TK, y_PH, "moe_unpermute", device);
     check_pair_rows(y_PH, slot_TK, "moe_unpermute", "y_PH");
     check_dispatch_weights(weights_TK, slot_TK, y_PH, "moe_unpermute", device);
+    if (residual_TH.has_value() && residual_TH->defined()) {
+        check_dispatch_rows(*residual_TH, "moe_unpermute", "residual_TH", device);
+        check_dispatch_tensor_on(*residual_TH, y_PH, "moe_unpermute", "residual_TH", device);
+        check_token_rows(*residual_TH, slot_TK, "moe_unpermute", "residual_TH");
+        LF_CHECK(residual_TH->size(1) == y_PH.size(1) && residual_TH->scalar_type() == y_PH.scalar_type(),
+                 "moe_unpermute: residual_TH (hidden ", residual_TH->size(1), ", ", residual_TH->scalar_type(),
+                 ") must match y_PH (hidden ", y_PH.size(1), ", ", y_PH.scalar_type(), ")");
+    }
 }
 
 inline void check_unpermute_bwd_args(const at::Tensor& dout_TH, const c10::optional<at::Tensor>& y_PH,

@@ -1,5 +1,5 @@
 // MoE dispatch row kernels on the CPU: the same arithmetic as moe_dispatch.cu (fp32 products and sums,
-// one rounding per output, pairs of a token taken in order j = 0..K-1). Tokens are split over ATen's
+// one rounding per output, pairs of a token taken in order j = 0..K-1 after the residual, if any). Tokens are split over ATen's
 // thread pool; each output row is written by one thread, so results do not depend on the thread count.
 // Unlike the CUDA build, slot_TK is checked to be a permutation of [0, P) first: one pass over P indices.
 #include <ATen/Parallel.h>
@@ -84,7 +84,7 @@ void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, c
 }
 
 void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                         const at::Tensor& dst_TH) {
+                         const at::Tensor& residual_TH, const at::Tensor& dst_TH) {
     check_slot_is_permutation(slot_TK);
     const int64_t tokens = slot_TK.size(0);
     const int64_t k = slot_TK.size(1);
@@ -97,11 +97,18 @@ void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, co
         const int64_t src_stride = src_PH.stride(0);
         const int64_t* slot = slot_TK.data_ptr<int64_t>();
         const float* weights = weighted ? weights_TK.data_ptr<float>() : nullptr;
+        const T* residual = residual_TH.defined() ? residual_TH.data_ptr<T>() : nullptr;
+        const int64_t res_stride = residual_TH.defined() ? residual_TH.stride(0) : 0;
         T* dst = dst_TH.data_ptr<T>();
         at::parallel_for(0, tokens, token_grain(hidden, k), [&](int64_t begin, int64_t end) {
             std::vector<float> acc(hidden);
             for (int64_t t = begin; t < end; ++t) {
-                std::fill(acc.begin(), acc.end(), 0.f);
+                if (residual) {  // the sum starts from the residual, as on CUDA: r + w0 y0 + w1 y1 + ...
+                    const T* r = residual + t * res_stride;
+                    for (int64_t c = 0; c < hidden; ++c) acc[c] = static_cast<float>(r[c]);
+                } else {
+                    std::fill(acc.begin(), acc.end(), 0.f);
+                }
                 for (int64_t j = 0; j < k; ++j) {
                     const T* s = src + slot[t * k + j] * src_stride;
                     const float w = weighted ? weights[t * k + j] : 1.f;

@@ -325,7 +325,11 @@ def chunk_bounds(num_local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class ExpertMaskedMoE(nn.Module):
-    """Dropless top-k MoE block; ``forward(x [..., H]) -> [..., H]``.
+    """Dropless top-k MoE block; ``forward(x [..., H], residual=None) -> [..., H]``.
+
+    ``residual`` (x's shape and dtype): added to the output in the combine's kernel, one rounding of
+    ``residual + sum_j w_j y_j`` (a decoder layer's residual stream; ``loongforge_adds_residual`` says that a
+    block takes it).
 
     In training, ``aux_loss`` holds ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` of the last
     forward (Switch/GShard load balancing; router z-loss) for the training loop to add, or None when both
@@ -390,10 +394,15 @@ class ExpertMaskedMoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: RoutingStats | None = None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    loongforge_adds_residual = True  # forward takes ``residual`` (integrations.residual passes a decoder's)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         shape = hidden_states.shape
         if shape[-1] != self.hidden_size:
             raise ValueError(f"ExpertMaskedMoE: input hidden size {shape[-1]} != {self.hidden_size}")
+        if residual is not None and (residual.shape != shape or residual.dtype != hidden_states.dtype):
+            raise ValueError(f"ExpertMaskedMoE: residual {tuple(residual.shape)} {residual.dtype} must have the "
+                             f"input's shape {tuple(shape)} and dtype {hidden_states.dtype}")
         x_TH = hidden_states.reshape(-1, self.hidden_size)
         if self.training and self.jitter_noise > 0:
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
@@ -411,7 +420,8 @@ class ExpertMaskedMoE(nn.Module):
         else:
             y_PH = self._experts_parallel(x_PH, tokens_per_expert_E)
 
-        out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=self.impl)
+        out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=self.impl,
+                               residual_TH=None if residual is None else residual.reshape(-1, self.hidden_size))
 
         self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k,
                                          self._buffer_fill if self.ep_size > 1 else None)

@@ -19,9 +19,10 @@ from ds_loongforge.ops.swiglu import swiglu_dropout
 
 
 class FusedRMSNorm(nn.Module):
-    """RMSNorm over the last dimension; ``forward(x, residual=None)``.
+    """RMSNorm over the last dimension; ``forward(x, residual=None, keep_input=False)``.
 
-    With ``residual`` it returns ``(norm(x + residual), x + residual)`` from one fused kernel.
+    With ``residual`` it returns ``(norm(x + residual), x + residual)`` from one fused kernel; with ``keep_input``
+    ``(norm(x), x)``, the gradient through the returned x added to the input gradient by the backward kernel.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, impl: str = "auto",
@@ -57,8 +58,9 @@ class FusedRMSNorm(nn.Module):
         fused.impl = impl
         return fused
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
-        return fused_rmsnorm(hidden_states, self.weight, self.variance_epsilon, residual=residual, impl=self.impl)
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, keep_input: bool = False):
+        return fused_rmsnorm(hidden_states, self.weight, self.variance_epsilon, residual=residual, impl=self.impl,
+                             keep_input=keep_input)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, impl={self.impl!r}"

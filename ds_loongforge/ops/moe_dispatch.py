@@ -10,9 +10,11 @@ token t's j-th expert), H hidden, E experts.
         offsets_E[e]  int32 group ends (cumsum of the counts), as torch's grouped GEMM takes them
     moe_permute(x_TH, order_P, slot_TK) -> x_PH[p] = x_TH[order_P[p] // K]
         backward: dx_TH[t] = sum_j dx_PH[slot_TK[t, j]]
-    moe_unpermute(y_PH, slot_TK, weights_TK) -> out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]
+    moe_unpermute(y_PH, slot_TK, weights_TK, residual_TH=None)
+        -> out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]   (no residual: 0)
         backward: dy_PH[slot_TK[t, j]] = weights_TK[t, j] * dout_TH[t]
                   dweights_TK[t, j]    = dout_TH[t] . y_PH[slot_TK[t, j]]
+                  dresidual_TH         = dout_TH (the same tensor)
 
 Sums and products are fp32 (fp64 for fp64 inputs), rounded once to the rows' dtype; dweights is fp32
 until it is cast to the weights' dtype. Every output row is produced by one thread group in a fixed
@@ -142,8 +144,14 @@ def _check_permute_args(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torc
                          f"{slot_TK.shape[0]}, got shape {tuple(x_TH.shape)}")
 
 
-def _check_unpermute_args(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+def _check_unpermute_args(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
+                          residual_TH: torch.Tensor | None = None) -> None:
     _check_indices("moe_unpermute", None, slot_TK)
+    if residual_TH is not None and (residual_TH.shape != (slot_TK.shape[0], y_PH.shape[-1])
+                                    or residual_TH.dtype != y_PH.dtype or residual_TH.device != y_PH.device):
+        raise ValueError(f"moe_unpermute: residual_TH must be [tokens, hidden] = [{slot_TK.shape[0]}, "
+                         f"{y_PH.shape[-1]}] in y's dtype {y_PH.dtype} on {y_PH.device}, got "
+                         f"{tuple(residual_TH.shape)} {residual_TH.dtype} on {residual_TH.device}")
     if y_PH.dim() != 2 or y_PH.shape[0] != slot_TK.numel():
         raise ValueError(f"moe_unpermute: y_PH must be [T*K, hidden] with T*K = {slot_TK.numel()} for slot_TK "
                          f"of shape {tuple(slot_TK.shape)}, got shape {tuple(y_PH.shape)}")
@@ -163,12 +171,16 @@ def moe_permute_reference(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: to
     return x_TH.to(_compute_dtype(x_TH.dtype))[order_P // k].to(x_TH.dtype)
 
 
-def moe_unpermute_reference(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def moe_unpermute_reference(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
+                            residual_TH: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch with the kernels' semantics: fp32 products and sums (fp64 for fp64 inputs), one rounding."""
-    _check_unpermute_args(y_PH, slot_TK, weights_TK)
+    _check_unpermute_args(y_PH, slot_TK, weights_TK, residual_TH)
     acc = _compute_dtype(y_PH.dtype)
     y_TKH = y_PH.to(acc)[slot_TK]
-    return (y_TKH * weights_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(y_PH.dtype)
+    out = (y_TKH * weights_TK.to(acc).unsqueeze(-1)).sum(dim=1)
+    if residual_TH is not None:
+        out = residual_TH.to(acc) + out
+    return out.to(y_PH.dtype)
 
 
 class _MoEPermuteFunction(torch.autograd.Function):
@@ -188,9 +200,10 @@ class _MoEPermuteFunction(torch.autograd.Function):
 class _MoEUnpermuteFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y_PH, slot_TK, weights_TK, kernel):
+    def forward(ctx, y_PH, slot_TK, weights_TK, residual_TH, kernel):
         y_rows = _unit_stride_rows(y_PH)
-        out_TH = kernel.unpermute_forward(y_rows, slot_TK, weights_TK)
+        out_TH = kernel.unpermute_forward(y_rows, slot_TK, weights_TK,
+                                          None if residual_TH is None else _unit_stride_rows(residual_TH))
         # y is needed only for dweights: without a weight gradient the backward never reads it
         ctx.save_for_backward(y_rows if ctx.needs_input_grad[2] else None, slot_TK, weights_TK)
         ctx.kernel = kernel
@@ -200,7 +213,8 @@ class _MoEUnpermuteFunction(torch.autograd.Function):
     def backward(ctx, dout_TH):
         y_rows, slot_TK, weights_TK = ctx.saved_tensors
         dy_PH, dweights_TK = ctx.kernel.unpermute_backward(_unit_stride_rows(dout_TH), y_rows, slot_TK, weights_TK)
-        return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, None
+        dresidual_TH = dout_TH if ctx.needs_input_grad[3] else None  # out = residual + ...: the gradient as is
+        return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, dresidual_TH, None
 
 
 def _kernel(op: str, rows: torch.Tensor, impl: str):
@@ -225,14 +239,16 @@ def moe_permute(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor
 
 
 def moe_unpermute(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
-                  impl: str = "auto") -> torch.Tensor:
-    """``out_TH[t] = sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]`` in fp32, returned in y's dtype.
+                  impl: str = "auto", residual_TH: torch.Tensor | None = None) -> torch.Tensor:
+    """``out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]`` in fp32, returned in y's
+    dtype (one rounding; without ``residual_TH`` the sum alone).
 
-    ``weights_TK`` is float32 or y's dtype; its gradient comes back in its own dtype. ``impl`` as in
+    ``weights_TK`` is float32 or y's dtype; its gradient comes back in its own dtype. ``residual_TH`` [T, H] in
+    y's dtype: a decoder layer's residual stream, added in the same pass (its gradient is out's). ``impl`` as in
     :func:`moe_permute`.
     """
-    _check_unpermute_args(y_PH, slot_TK, weights_TK)
+    _check_unpermute_args(y_PH, slot_TK, weights_TK, residual_TH)
     kernel = _kernel("moe_unpermute", y_PH, impl)
     if kernel is None:
-        return moe_unpermute_reference(y_PH, slot_TK, weights_TK)
-    return _MoEUnpermuteFunction.apply(y_PH, slot_TK, weights_TK.float().contiguous(), kernel)
+        return moe_unpermute_reference(y_PH, slot_TK, weights_TK, residual_TH)
+    return _MoEUnpermuteFunction.apply(y_PH, slot_TK, weights_TK.float().contiguous(), residual_TH, kernel)

@@ -100,11 +100,15 @@ def _rmsnorm_reference_stored_residual(x, weight, eps, residual, dtype):
 
 def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl: str,
                    residual: bool = False, weight_dtype: torch.dtype | None = None, eps: float = 1e-6,
-                   x: torch.Tensor | None = None, generator: torch.Generator | None = None) -> list[CheckResult]:
+                   x: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                   keep_input: bool = False) -> list[CheckResult]:
     """Forward and all gradients of fused_rmsnorm(impl) vs fp64, each with its 2x-PyTorch tolerance.
 
-    ``x`` may be given (e.g. a non-contiguous view); otherwise it is drawn at random.
+    ``x`` may be given (e.g. a non-contiguous view); otherwise it is drawn at random. ``keep_input``: the op
+    also returns x, and a second upstream gradient comes back through it (dx is the sum of both paths).
     """
+    if keep_input and residual:
+        raise ValueError("rmsnorm_checks: keep_input and residual are two different modes of the op")
     weight_dtype = weight_dtype or dtype
     kw = {"device": device, "generator": generator}
     if x is None:
@@ -112,29 +116,37 @@ def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl
     w = (1.0 + 0.5 * torch.randn(hidden, dtype=torch.float32, **kw)).to(weight_dtype)
     r = torch.randn(x.shape, dtype=dtype, **kw) if residual else None
     dy = torch.randn(x.shape, dtype=dtype, **kw)
-    dh = torch.randn(x.shape, dtype=dtype, **kw) if residual else None
-    label = f"rmsnorm {impl} {str(dtype)[6:]} {tuple(x.shape)}{' +res' if residual else ''}"
+    dh = torch.randn(x.shape, dtype=dtype, **kw) if residual or keep_input else None
+    label = (f"rmsnorm {impl} {str(dtype)[6:]} {tuple(x.shape)}{' +res' if residual else ''}"
+             f"{' +keep_input' if keep_input else ''}")
+    two_outputs = residual or keep_input
 
     def run(fn, cast):
         xs = x.detach().to(cast).requires_grad_()
         ws = w.detach().to(cast if cast == torch.float64 else weight_dtype).requires_grad_()
         rs = r.detach().to(cast).requires_grad_() if residual else None
         out = fn(xs, ws, rs)
-        outs = out if residual else (out,)
-        grads_out = (dy.to(cast), dh.to(cast)) if residual else (dy.to(cast),)
+        outs = out if two_outputs else (out,)
+        grads_out = (dy.to(cast), dh.to(cast)) if two_outputs else (dy.to(cast),)
         inputs = (xs, ws, rs) if residual else (xs, ws)
         return [o.detach() for o in outs] + list(_grads(outs, inputs, grads_out))
 
-    ours = run(lambda a, b, c: fused_rmsnorm(a, b, eps, residual=c, impl=impl), dtype)
-    ref = run(lambda a, b, c: _rmsnorm_reference_stored_residual(a, b, eps, c, dtype), torch.float64)
-    eager = run(lambda a, b, c: hf_rmsnorm_eager(a, b, eps, residual=c), dtype)
+    def keeping(norm):  # the plain-PyTorch forms return x through a view, whose gradient autograd adds
+        return lambda a, b, c: (norm(a, b, c), a.view_as(a)) if keep_input else norm(a, b, c)
+
+    ours = run(lambda a, b, c: fused_rmsnorm(a, b, eps, residual=c, impl=impl, keep_input=keep_input), dtype)
+    ref = run(keeping(lambda a, b, c: _rmsnorm_reference_stored_residual(a, b, eps, c, dtype)), torch.float64)
+    eager = run(keeping(lambda a, b, c: hf_rmsnorm_eager(a, b, eps, residual=c)), dtype)
     # dx = rstd * (w*dy - xhat * mean(xhat * w*dy)) cancels terms of size rstd*|w*dy| (all of it when
     # hidden == 1), and dw sums dy*xhat over rows: those magnitudes set the rounding scale of each.
     h64 = (x + r).double() if residual else x.double()
     rstd = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
     dx_scale = float((rstd * (w.double() * dy.double()).abs()).max()) if x.numel() else 0.0
     dw_scale = float((dy.double() * h64 * rstd).abs().sum(0).max()) if x.numel() else 0.0
-    names = ["y", "h", "dx", "dw", "dresidual"] if residual else ["y", "dx", "dw"]
+    names = ["y", "h", "dx", "dw", "dresidual"] if residual else ["y", "x", "dx", "dw"] if keep_input \
+        else ["y", "dx", "dw"]
+    if keep_input:  # dx also holds the gradient that came through the returned x
+        dx_scale = max(dx_scale, float(dh.double().abs().max()) if x.numel() else 0.0)
     scales = {"dx": dx_scale, "dresidual": dx_scale, "dw": dw_scale}
     return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, dtype, scales.get(n)))
             for n, o, f, e in zip(names, ours, ref, eager)]
@@ -210,9 +222,10 @@ def moe_permute_eager(x_TH, order_P, k):
     return x_TH[order_P // k]
 
 
-def moe_unpermute_eager(y_PH, slot_TK, weights_TK):
-    """Unfused PyTorch in y's dtype (the baseline for the 2x rule)."""
-    return (y_PH[slot_TK] * weights_TK.to(y_PH.dtype).unsqueeze(-1)).sum(dim=1)
+def moe_unpermute_eager(y_PH, slot_TK, weights_TK, residual_TH=None):
+    """Unfused PyTorch in y's dtype (the baseline for the 2x rule); the residual added after, as a decoder does."""
+    out = (y_PH[slot_TK] * weights_TK.to(y_PH.dtype).unsqueeze(-1)).sum(dim=1)
+    return out if residual_TH is None else residual_TH + out
 
 
 def moe_permute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: torch.dtype, device: str, impl: str,
@@ -247,9 +260,10 @@ def moe_permute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: to
 
 def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: torch.dtype, device: str,
                          impl: str, weights_dtype: torch.dtype = torch.float32, y: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None) -> list[CheckResult]:
-    """Forward and both gradients (dy, dweights) of moe_unpermute(impl) vs fp64, each with its 2x-PyTorch
-    tolerance. ``y`` [tokens * k, hidden] may be given; otherwise it is drawn at random."""
+                         generator: torch.Generator | None = None, residual: bool = False) -> list[CheckResult]:
+    """Forward and the gradients (dy, dweights, and dresidual with ``residual``) of moe_unpermute(impl) vs fp64,
+    each with its 2x-PyTorch tolerance. ``y`` [tokens * k, hidden] may be given; otherwise it is drawn at
+    random."""
     kw = {"device": device, "generator": generator}
     ids_TK, weights_TK = random_routing(tokens, k, experts, device, generator)
     weights_TK = weights_TK.to(weights_dtype)
@@ -257,27 +271,32 @@ def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: 
     if y is None:
         y = torch.randn(tokens * k, hidden, dtype=dtype, **kw)
     dout_TH = torch.randn(tokens, hidden, dtype=dtype, **kw)
-    label = f"moe_unpermute {impl} {str(dtype)[6:]} T={tokens} H={hidden} K={k} E={experts}"
+    r_TH = 4.0 * torch.randn(tokens, hidden, dtype=dtype, **kw) if residual else None
+    label = f"moe_unpermute {impl} {str(dtype)[6:]} T={tokens} H={hidden} K={k} E={experts}{' +res' if residual else ''}"
 
     def run(fn, cast):
         ys = y.detach().to(cast).requires_grad_()
         ws = weights_TK.detach().to(cast if cast == torch.float64 else weights_dtype).requires_grad_()
-        out = fn(ys, ws)
-        return [out.detach()] + list(_grads((out,), (ys, ws), (dout_TH.to(cast),)))
+        rs = r_TH.detach().to(cast).requires_grad_() if residual else None
+        out = fn(ys, ws, rs)
+        return [out.detach()] + list(_grads((out,), (ys, ws, rs) if residual else (ys, ws), (dout_TH.to(cast),)))
 
-    ours = run(lambda a, w: moe_unpermute(a, slot_TK, w, impl=impl), dtype)
-    ref = run(lambda a, w: moe_unpermute_reference(a, slot_TK, w), torch.float64)
-    eager = run(lambda a, w: moe_unpermute_eager(a, slot_TK, w), dtype)
+    ours = run(lambda a, w, r: moe_unpermute(a, slot_TK, w, impl=impl, residual_TH=r), dtype)
+    ref = run(lambda a, w, r: moe_unpermute_reference(a, slot_TK, w, r), torch.float64)
+    eager = run(lambda a, w, r: moe_unpermute_eager(a, slot_TK, w, r), dtype)
     # out and dweights are sums of products: the sums of their magnitudes set the rounding scale
     y_TKH = y.double()[slot_TK].abs()
     nonempty = y_TKH.numel() > 0
-    out_scale = float((y_TKH * weights_TK.double().abs().unsqueeze(-1)).sum(1).max()) if nonempty else 0.0
+    out_TH = (y_TKH * weights_TK.double().abs().unsqueeze(-1)).sum(1)
+    if residual:
+        out_TH = out_TH + r_TH.double().abs()
+    out_scale = float(out_TH.max()) if nonempty else 0.0
     dw_scale = float((y_TKH * dout_TH.double().abs().unsqueeze(1)).sum(-1).max()) if nonempty else 0.0
     scales = {"out": out_scale, "dweights": dw_scale}
     dtypes = {"dweights": weights_dtype}
     return [CheckResult(f"{label} {n}", max_error(o, f),
                         tolerance(max_error(e, f), f, dtypes.get(n, dtype), scales.get(n)))
-            for n, o, f, e in zip(["out", "dy", "dweights"], ours, ref, eager)]
+            for n, o, f, e in zip(["out", "dy", "dweights", "dresidual"], ours, ref, eager)]
 
 
 def routing_checks(tokens: int, k: int, experts: int, device: str, impl: str,
@@ -337,6 +356,7 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(rmsnorm_checks(257, 4096, d, device, impl)))
             checks.append(lambda d=dtype: _merge(rmsnorm_checks(33, 2880, d, device, impl, residual=True)))
+            checks.append(lambda d=dtype: _merge(rmsnorm_checks(33, 2048, d, device, impl, keep_input=True)))
     elif builder_name.startswith("lf_fused_swiglu"):
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(swiglu_checks(129, 1408, d, device, impl, p=0.0)))
@@ -345,6 +365,7 @@ def checks_for(builder_name: str, device: str) -> list[Callable[[], CheckResult]
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(moe_permute_checks(129, 2880, 8, 64, d, device, impl)))
             checks.append(lambda d=dtype: _merge(moe_unpermute_checks(129, 2880, 8, 64, d, device, impl)))
+            checks.append(lambda d=dtype: _merge(moe_unpermute_checks(65, 2048, 2, 8, d, device, impl, residual=True)))
         checks.append(lambda: _merge(routing_checks(3001, 8, 64, device, impl)))  # 3 rank blocks, idle experts
         for dtype in (torch.float32, torch.bfloat16):
             checks.append(lambda d=dtype: _merge(router_checks(4099, 64, 8, d, device, impl)))

@@ -2,6 +2,11 @@
 
     y = x * rsqrt(mean(x^2, -1) + eps) * weight                        (fp32 arithmetic)
     with residual: h = x + residual (in x's dtype); y = rmsnorm(h); returns (y, h)
+    with keep_input: y = rmsnorm(x); returns (y, x), x's second use differentiable through the op
+
+keep_input is for a decoder layer's input norm, whose input is also the layer's residual: the gradient that comes
+back through the returned x is added to the norm's input gradient inside the backward kernel (the dresidual
+path), where autograd would add the two with one more kernel.
 
 Shapes: x [..., H], weight [H] (x's dtype or float32), residual like x. The output has x's dtype.
 """
@@ -34,7 +39,7 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 class _FusedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, kernel):
+    def forward(ctx, x, weight, residual, eps, kernel, keep_input=False):
         shape = x.shape
         x_rows = as_rows(x)
         y, h, rstd = kernel.forward(x_rows, None if residual is None else as_rows(residual), weight, eps)
@@ -45,6 +50,9 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         ctx.shape = shape
         if has_residual:
             return y.view(shape), h.view(shape)
+        if keep_input:
+            # x itself: autograd returns it as a view of the input whose gradient comes back to this backward
+            return y.view(shape), x
         return y.view(shape)
 
     @staticmethod
@@ -54,12 +62,13 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         dres = None if dh is None else dh.reshape(-1, hidden).contiguous()
         dx, dw = ctx.kernel.backward(dy.reshape(-1, hidden).contiguous(), h, rstd, weight, dres)
         dx = dx.view(ctx.shape)
-        return dx, dw, (dx if ctx.has_residual else None), None, None
+        return dx, dw, (dx if ctx.has_residual else None), None, None, None
 
 
 def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                  residual: torch.Tensor | None = None, impl: str = "auto"):
-    """RMSNorm of the last dimension; with ``residual`` it returns ``(y, x + residual)``.
+                  residual: torch.Tensor | None = None, impl: str = "auto", keep_input: bool = False):
+    """RMSNorm of the last dimension; with ``residual`` it returns ``(y, x + residual)``, with ``keep_input``
+    ``(y, x)`` (the gradient through that x joins the norm's input gradient in the backward kernel).
 
     ``impl``: "auto" (kernel for the tensor's device, reference if it cannot be built), "cuda", "cpu",
     or "reference".
@@ -71,9 +80,13 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         raise ValueError(f"fused_rmsnorm: residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
     if eps < 0:
         raise ValueError(f"fused_rmsnorm: eps must be >= 0, got {eps}")
+    if keep_input and residual is not None:
+        raise ValueError("fused_rmsnorm: keep_input=True returns (y, x) and takes no residual; with a residual "
+                         "the op returns (y, x + residual) already")
     kernel = None
     if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
     if kernel is None:
-        return rmsnorm_reference(x, weight, eps, residual)
-    return _FusedRMSNormFunction.apply(x, weight, residual, float(eps), kernel)
+        y = rmsnorm_reference(x, weight, eps, residual)
+        return (y, x) if keep_input else y
+    return _FusedRMSNormFunction.apply(x, weight, residual, float(eps), kernel, bool(keep_input))

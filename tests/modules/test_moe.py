@@ -106,6 +106,25 @@ def test_idle_experts_get_zero_gradients_not_none(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_residual_is_added_in_the_combine(impl):
+    """forward(x, residual=r) == forward(x) + r (fp32 here: the sum's one rounding is within an ulp), r's gradient
+    is the output's, and every other gradient is unchanged."""
+    moe = ExpertMaskedMoE(16, 24, 6, 2, impl=impl, device=impl)
+    x = torch.randn(2, 9, 16, device=impl, requires_grad=True)
+    r = torch.randn(2, 9, 16, device=impl, requires_grad=True)
+    dy = torch.randn(2, 9, 16, device=impl)
+    fused = moe(x, residual=r)
+    grads = torch.autograd.grad(fused, (x, r, *moe.parameters()), dy)
+    plain = moe(x)
+    torch.testing.assert_close(fused, plain + r, rtol=1e-6, atol=1e-6)
+    assert torch.equal(grads[1], dy)
+    for ours, ref in zip((grads[0], *grads[2:]), torch.autograd.grad(plain, (x, *moe.parameters()), dy)):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"residual \(2, 8, 16\) torch.float32 must have the input's shape"):
+        moe(x, residual=r[:, :8])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_expert_compute_loop_equals_grouped_mm(impl):
     moe = ExpertMaskedMoE(16, 32, 8, 2, impl=impl, device=impl)
     with torch.no_grad():

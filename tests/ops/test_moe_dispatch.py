@@ -141,6 +141,37 @@ def test_moe_unpermute_matches_fp64(impl, dtype, tokens, hidden, k, experts):
 
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden,k,experts", [(0, 64, 2, 4), (1, 1, 1, 1), (37, 3, 2, 4), (37, 64, 8, 4),
+                                                     (1000, 2880, 2, 4), (16, 7168, 8, 64), (9, 64, 12, 16)])
+def test_moe_unpermute_with_residual_matches_fp64(impl, dtype, tokens, hidden, k, experts):
+    """The decoder layer's residual added in the same pass (one rounding), its gradient the output's; K = 12 runs
+    past the kernel's loads in flight."""
+    assert_checks(moe_unpermute_checks(tokens, hidden, k, experts, dtype, device_of(impl), impl, residual=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unpermute_residual_gradient_is_the_output_gradient(impl):
+    _, slot_TK, weights_TK = _routing(20, 2, 8, impl)
+    y_PH = torch.randn(40, 64, device=impl, requires_grad=True)
+    r_TH = torch.randn(20, 64, device=impl, requires_grad=True)
+    dout_TH = torch.randn(20, 64, device=impl)
+    out = moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl, residual_TH=r_TH)
+    torch.testing.assert_close(out, r_TH + moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl))
+    dy, dr = torch.autograd.grad(out, (y_PH, r_TH), dout_TH)
+    assert torch.equal(dr, dout_TH)
+    (dy_plain,) = torch.autograd.grad(moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl), y_PH, dout_TH)
+    assert torch.equal(dy, dy_plain)
+    for bad, match in ((r_TH[:19], r"residual_TH must be \[tokens, hidden\] = \[20, 64\] .* got \(19, 64\)"),
+                       (r_TH.double(), "in y's dtype torch.float32 .* torch.float64")):
+        with pytest.raises(ValueError, match=match):
+            moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl, residual_TH=bad)
+    kernel = _BUILDERS[impl]().load()
+    with pytest.raises(RuntimeError, match=r"residual_TH \(hidden 32, Float\) must match y_PH \(hidden 64, Float\)"):
+        kernel.unpermute_forward(y_PH.detach(), slot_TK, weights_TK, torch.randn(20, 32, device=impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
 def test_moe_unpermute_weights_in_activation_dtype(impl, dtype):
     assert_checks(moe_unpermute_checks(53, 320, 4, 16, dtype, device_of(impl), impl, weights_dtype=dtype))
@@ -291,6 +322,9 @@ def test_cuda_matches_cpu():
     # the same fp32 sums in the same order; only the contraction of multiply-adds may differ
     torch.testing.assert_close(moe_unpermute(y_c, slot_c, w_c, impl="cuda").cpu(),
                                moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu"), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(moe_unpermute(y_c, slot_c, w_c, impl="cuda", residual_TH=x_c).cpu(),
+                               moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu", residual_TH=x_TH),
+                               rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

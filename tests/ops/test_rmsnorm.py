@@ -41,6 +41,29 @@ def test_rmsnorm_fused_residual_matches_fp64(impl, dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(3, 64), (200, 2880), (65, 4096), (4, 4097), (3, 40960)])
+def test_rmsnorm_keep_input_matches_fp64(impl, dtype, rows, hidden):
+    """keep_input (a decoder layer's input norm): dx is the norm's gradient plus the one through the returned x."""
+    assert_checks(rmsnorm_checks(rows, hidden, dtype, impl, impl, keep_input=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rmsnorm_keep_input_returns_x_and_adds_its_gradient_in_the_kernel(impl):
+    x = torch.randn(6, 64, device=impl, requires_grad=True)
+    w = torch.randn(64, device=impl, requires_grad=True)
+    y, kept = fused_rmsnorm(x, w, keep_input=True, impl=impl)
+    assert torch.equal(kept, x) and kept.data_ptr() == x.data_ptr()  # x itself, no copy
+    assert kept.grad_fn is y.grad_fn  # its gradient comes back to the norm's backward, not to an autograd add
+    dy, dk = torch.randn_like(y), torch.randn_like(y)
+    dx, = torch.autograd.grad((y, kept), (x,), (dy, dk))
+    dx_norm, = torch.autograd.grad(fused_rmsnorm(x, w, impl=impl), (x,), dy)
+    torch.testing.assert_close(dx, dx_norm + dk)
+    with pytest.raises(ValueError, match="keep_input=True returns"):
+        fused_rmsnorm(x, w, residual=x, keep_input=True, impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rmsnorm_fp32_weight_with_half_input(impl, dtype):
     assert_checks(rmsnorm_checks(65, 4096, dtype, impl, impl, weight_dtype=torch.float32))
