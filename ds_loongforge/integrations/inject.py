@@ -26,6 +26,10 @@ CUDA device visible), ``modeling_<family>.apply_rotary_pos_emb`` of each family 
 that runs Liger's kernel on CUDA tensors and the original elsewhere (see ``ds_loongforge.integrations.rope``).
 That patch is process-wide: it applies to every model of the family, injected or not.
 
+With ``fused_kernels.residual_add`` (and the norms replaced) a decoder layer whose forward is the families' standard
+one is re-classed so that its attention's residual add runs inside the post-attention norm's kernel and the
+residual stream's gradients are added inside the norms' backward kernels (``ds_loongforge.integrations.residual``).
+
 With ``fused_kernels.linear_cross_entropy`` the causal LM's training loss is computed by the fused LM head +
 cross-entropy (``ds_loongforge.integrations.fused_loss``): a training forward with labels returns the same loss
 with ``logits=None``; the LM head keeps its Parameter and state-dict key.
@@ -48,6 +52,7 @@ from torch import nn
 
 from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_config
 from ds_loongforge.integrations.fused_loss import KIND_FUSED_LOSS, install_fused_loss, uses_fused_loss  # noqa: F401
+from ds_loongforge.integrations.residual import KIND_RESIDUAL, fuse_residual_adds, residual_problem
 from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
 from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP
 from ds_loongforge.modules.qkv import FusedQKVLinear, fuse_qkv, qkv_problem
@@ -198,6 +203,21 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
             if replace(path, module):
                 families[preset.name] += 1
                 report.replaced[kind] = report.replaced.get(kind, 0) + 1
+
+    # last, the decoder layers around the norms replaced above (not `handled`: their children keep being reported)
+    decoder_types = {cls: p for p, _ in active if (cls := p.decoder_class()) is not None}
+    for path, module in _snapshot(model):
+        preset = decoder_types.get(type(module))
+        if preset is None:
+            continue
+        reason = "fused_kernels.residual_add is false" if not config.fused_kernels.residual_add \
+            else residual_problem(module)
+        if reason:
+            report.not_replaced.append((path, f"{type(module).__name__}: residual adds not fused: {reason}"))
+            continue
+        if fuse_residual_adds(module, _dynamic_class):
+            families[preset.name] += 1
+            report.replaced[KIND_RESIDUAL] = report.replaced.get(KIND_RESIDUAL, 0) + 1
 
     _patch_rope(model, config, report, families)
     _patch_balancing(model, config, report)
@@ -377,11 +397,11 @@ def _swiglu_problem(mlp: nn.Module) -> str | None:
 _DYNAMIC_CLASSES: dict[str, type] = {}
 
 
-def _dynamic_class(name: str, bases: tuple[type, ...], doc: str) -> type:
+def _dynamic_class(name: str, bases: tuple[type, ...], doc: str, namespace: dict | None = None) -> type:
     """One class per name, importable from this module (pickle finds it once it has been built here)."""
     cls = _DYNAMIC_CLASSES.get(name)
     if cls is None:
-        cls = type(name, bases, {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+        cls = type(name, bases, {**(namespace or {}), "__module__": __name__, "__qualname__": name, "__doc__": doc})
         _DYNAMIC_CLASSES[name] = cls
         globals()[name] = cls
     return cls
@@ -404,6 +424,7 @@ class SharedExpertsMixin(nn.Module):
 
     shared_expert_name: str
     shared_expert_gate_name: str | None
+    loongforge_adds_residual = False  # forward(hidden_states): the decoder adds its residual to routed + shared
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         routed = super().forward(hidden_states)

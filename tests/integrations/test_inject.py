@@ -11,8 +11,8 @@ import transformers
 from torch import nn
 
 from ds_loongforge.config import LoongForgeConfig
-from ds_loongforge.integrations.inject import (KIND_MLP, KIND_MOE, KIND_MOE_EP, KIND_QKV, KIND_RMSNORM,
-                                               InjectionReport, SharedExpertsMixin, inject)
+from ds_loongforge.integrations.inject import (KIND_MLP, KIND_MOE, KIND_MOE_EP, KIND_QKV, KIND_RESIDUAL,
+                                               KIND_RMSNORM, InjectionReport, SharedExpertsMixin, inject)
 from ds_loongforge.modules import ExpertMaskedMoE, FusedRMSNorm, FusedSwiGLUMLP
 from ds_loongforge.modules.qkv import FusedQKVLinear
 
@@ -25,34 +25,34 @@ MOE_RTOL, ATOL = 1e-5, 1e-6
 FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
-                {KIND_MOE: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
+                {KIND_MOE: 2, KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}),
     # layer 1 dense (mlp_only_layers), shared expert with its sigmoid gate, no renormalisation
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
                        output_router_logits=True),
-                  {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
+                  {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}),
     # q/k norms over the head dimension are RMSNorms too
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                        norm_topk_prob=True, head_dim=8, output_router_logits=True),
-                  {KIND_MOE: 2, KIND_RMSNORM: 9, KIND_QKV: 2}),
+                  {KIND_MOE: 2, KIND_RMSNORM: 9, KIND_QKV: 2, KIND_RESIDUAL: 2}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, output_router_logits=True),
-              {KIND_MOE: 2, KIND_RMSNORM: 9, KIND_QKV: 2}),
+              {KIND_MOE: 2, KIND_RMSNORM: 9, KIND_QKV: 2, KIND_RESIDUAL: 2}),
     # layer 0 dense, layer 1 MoE: sigmoid router, 2 groups (1 kept), bias, scaling factor, one shared expert
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
                          num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                          routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                          qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4),
-                    {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 9}),
+                    {KIND_MOE: 1, KIND_MLP: 2, KIND_RMSNORM: 9, KIND_RESIDUAL: 2}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=48, mlp_bias=True),
-              {KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
+              {KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=48),
-              {KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}),
+              {KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=48, head_dim=8),
-              {KIND_MLP: 2, KIND_RMSNORM: 9, KIND_QKV: 2}),
+              {KIND_MLP: 2, KIND_RMSNORM: 9, KIND_QKV: 2, KIND_RESIDUAL: 2}),
 }
 ENABLED = {"loongforge": {"enabled": True}}
 
@@ -239,13 +239,15 @@ def test_switches_off_are_reported():
     assert any("fused_kernels.swiglu is false" in r for r in reasons)
     assert any("moe.expert_masked is false" in r for r in reasons)
     assert any("fused_kernels.qkv is false" in r for r in reasons)
-    assert len(report.not_replaced) == 5 + 2 + 1 + 2  # norms, MLPs (dense layer 1, shared expert of 0), MoE, attentions
+    assert any("residual adds not fused" in r and "not FusedRMSNorm" in r for r in reasons)
+    # norms, MLPs (dense layer 1, shared expert of 0), MoE, attentions, decoder layers
+    assert len(report.not_replaced) == 5 + 2 + 1 + 2 + 2
 
 
 def test_expert_parallel_without_distributed_is_reported():
     model = build("mixtral")
     report = inject(model, {"enabled": True, "moe": {"ep_size": 2}})
-    assert report.replaced == {KIND_RMSNORM: 5, KIND_QKV: 2}
+    assert report.replaced == {KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}
     assert [p for p, _ in report.not_replaced] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert "torch.distributed" in report.not_replaced[0][1]
 
@@ -323,7 +325,7 @@ def test_expert_parallel_two_ranks(tmp_path):
     mp.spawn(_expert_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
-        assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2}
+        assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}
         torch.testing.assert_close(*result["logits"], rtol=MOE_RTOL, atol=ATOL)
         torch.testing.assert_close(*result["aux"], rtol=MOE_RTOL, atol=ATOL)
         mine = slice(rank * 2, (rank + 1) * 2)

@@ -43,6 +43,9 @@ class FamilyPreset:
     # (q, k, cos, sin, unsqueeze_dim=1), q * cos + rotate_half(q) * sin over the whole head (fused_kernels.rope)
     rope: str | None = None
     rope_why_not: str | None = None  # with rope None: why the family's rotary embedding is not replaced
+    # the decoder layer whose attention residual add fuses into its RMSNorms (integrations.residual); optional:
+    # a transformers release without it leaves the rest of the preset active
+    decoder_layer: str | None = None
 
     def resolve(self) -> dict[str, type] | None:
         """Class name -> class from the family's modeling module, or None if this transformers lacks it."""
@@ -53,6 +56,16 @@ class FamilyPreset:
         names = (*self.rmsnorm, *self.mlp, *self.attention, *((self.moe.block,) if self.moe else ()))
         classes = {name: getattr(module, name, None) for name in names}
         return None if any(c is None for c in classes.values()) else classes
+
+    def decoder_class(self) -> type | None:
+        """The family's decoder layer class, or None (no ``decoder_layer``, or this transformers lacks it)."""
+        if self.decoder_layer is None:
+            return None
+        try:
+            module = importlib.import_module(self.modeling_module)
+        except ImportError:
+            return None
+        return getattr(module, self.decoder_layer, None)
 
 
 # imported after the dataclasses above, which the family files use

@@ -17,4 +17,5 @@ PRESET = FamilyPreset(
     rope_why_not=("partial, interleaved rotary embedding (only the qk_rope_head_dim slice of each head, "
                   "apply_rotary_pos_emb_interleave when rope_interleave), not the standard rotate_half form "
                   "Liger's fused RoPE computes"),
+    decoder_layer="DeepseekV3DecoderLayer",
 )

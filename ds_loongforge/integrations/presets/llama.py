@@ -9,4 +9,5 @@ PRESET = FamilyPreset(
     attention=("LlamaAttention",),
     mlp=("LlamaMLP",),
     rope="apply_rotary_pos_emb",
+    decoder_layer="LlamaDecoderLayer",
 )

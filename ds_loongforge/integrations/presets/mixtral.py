@@ -9,4 +9,5 @@ PRESET = FamilyPreset(
     attention=("MixtralAttention",),
     moe=MoESpec(block="MixtralSparseMoeBlock", router="softmax_topk", renormalize_attr=None),
     rope="apply_rotary_pos_emb",
+    decoder_layer="MixtralDecoderLayer",
 )

@@ -10,4 +10,5 @@ PRESET = FamilyPreset(
     mlp=("OlmoeMLP",),
     moe=MoESpec(block="OlmoeSparseMoeBlock", router="softmax_topk"),
     rope="apply_rotary_pos_emb",
+    decoder_layer="OlmoeDecoderLayer",
 )

@@ -9,4 +9,5 @@ PRESET = FamilyPreset(
     attention=("Qwen2Attention",),
     mlp=("Qwen2MLP",),
     rope="apply_rotary_pos_emb",
+    decoder_layer="Qwen2DecoderLayer",
 )

@@ -12,4 +12,5 @@ PRESET = FamilyPreset(
     moe=MoESpec(block="Qwen2MoeSparseMoeBlock", router="softmax_topk", shared_expert="shared_expert",
                 shared_expert_gate="shared_expert_gate"),
     rope="apply_rotary_pos_emb",
+    decoder_layer="Qwen2MoeDecoderLayer",
 )

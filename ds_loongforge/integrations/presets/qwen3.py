@@ -9,4 +9,5 @@ PRESET = FamilyPreset(
     attention=("Qwen3Attention",),
     mlp=("Qwen3MLP",),
     rope="apply_rotary_pos_emb",
+    decoder_layer="Qwen3DecoderLayer",
 )

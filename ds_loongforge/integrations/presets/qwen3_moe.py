@@ -11,4 +11,5 @@ PRESET = FamilyPreset(
     mlp=("Qwen3MoeMLP",),
     moe=MoESpec(block="Qwen3MoeSparseMoeBlock", router="softmax_topk"),
     rope="apply_rotary_pos_emb",
+    decoder_layer="Qwen3MoeDecoderLayer",
 )
