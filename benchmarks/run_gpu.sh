@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480).
 set -uo pipefail
@@ -102,6 +102,10 @@ has diagnose_moe && step diagnose_moe python3 -m benchmarks.diagnose_moe --out $
 # issue 5: the optimizer beside the forward on two streams, and the fwd+bwd as one CUDA graph (device-side levers)
 if has diagnose_levers; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
   step diagnose_levers_$shape python3 -m benchmarks.diagnose_e2e_levers --model $shape --out $RES
+done; fi
+# the decoder layers' residual adds fused (fused_kernels.residual_add) or not: fwd+bwd time, energy and kernels
+if has diagnose_residual; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
+  step diagnose_residual_$shape python3 -m benchmarks.diagnose_residual --model $shape --out $RES
 done; fi
 # the unpermute backward's reads in flight: the dispatch op built once per choice, timed side by side
 has diagnose_dispatch && step diagnose_dispatch python3 -m benchmarks.diagnose_dispatch --out $RES/diagnose_dispatch.json
