@@ -10,12 +10,7 @@ holds more registers (fewer warps per SM): which n wins is measured here, not gu
 
 Bytes moved (the least the op must move): dout [T, H] once, y [P, H] once, dy [P, H] once, dweights [T, K] fp32.
 
-Then the gathers (the permute backward, the unpermute forward, and the unpermute forward that adds the decoder's
-residual), built once per value of LF_DISPATCH_GATHER_TOKENS (the tokens each thread sums at once, all their rows'
-reads issued before the first add), timed the same way; their bytes: the P rows read once, the T rows written once,
-the residual's T rows read once.
-
-    python -m benchmarks.diagnose_dispatch [--values 1 2 4 8] [--gather-tokens 1 2 4] [--out results/diagnose_dispatch.json]
+    python -m benchmarks.diagnose_dispatch [--values 1 2 4 8] [--out results/diagnose_dispatch.json]
 """
 
 from __future__ import annotations
@@ -42,61 +37,20 @@ class _LoadsBuilder(MoEDispatchBuilder):
         return super().nvcc_args() + [f"-DLF_DISPATCH_LOADS_IN_FLIGHT={self.LOADS}"]
 
 
-class _GatherBuilder(MoEDispatchBuilder):
-    """The dispatch op compiled with LF_DISPATCH_GATHER_TOKENS = TOKENS, under a name of its own."""
-
-    TOKENS = 2
-
-    def nvcc_args(self):
-        return super().nvcc_args() + [f"-DLF_DISPATCH_GATHER_TOKENS={self.TOKENS}"]
-
-
 # one importable class per value: build_ops compiles each in a spawned process that imports it by name
 VALUES = (1, 2, 4, 8)
 BUILDERS = {n: type(f"Loads{n}Builder", (_LoadsBuilder,), {"NAME": f"lf_moe_dispatch_loads{n}", "LOADS": n,
                                                             "__module__": __name__}) for n in VALUES}
-GATHER_TOKENS = (1, 2, 4)
-GATHER_BUILDERS = {n: type(f"Gather{n}Builder", (_GatherBuilder,), {"NAME": f"lf_moe_dispatch_gather{n}",
-                                                                    "TOKENS": n, "__module__": __name__})
-                   for n in GATHER_TOKENS}
-globals().update({cls.__name__: cls for cls in (*BUILDERS.values(), *GATHER_BUILDERS.values())})
+globals().update({cls.__name__: cls for cls in BUILDERS.values()})
 
 
-def build_all(values: list[int], builders: dict | None = None) -> dict:
+def build_all(values: list[int]) -> dict:
     """One build per value, compiled in parallel (build_ops), then loaded from torch's cache."""
-    builders = BUILDERS if builders is None else builders
-    modules = build_ops([builders[n]() for n in values])
+    modules = build_ops([BUILDERS[n]() for n in values])
     failed = {name: err for name, err in modules.items() if isinstance(err, Exception)}
     if failed:
         raise RuntimeError(f"diagnose_dispatch: builds failed: {failed}")
-    return {n: modules[builders[n].NAME] for n in values}
-
-
-def gathers(modules: dict, timer: Timer, copy_gbps: float, result: dict) -> None:
-    """The three gather calls of each e2e shape, per build, next to copy bandwidth; bits compared to the first."""
-    for name, tokens, hidden, experts, top_k in SHAPES:
-        dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, next(iter(modules.values())))
-        pairs = tokens * top_k
-        calls = {  # (call, bytes moved)
-            "permute_backward": (lambda m: m.permute_backward(y, slot), 2 * (pairs + tokens) * hidden),
-            "unpermute_forward": (lambda m: m.unpermute_forward(y, slot, weights), 2 * (pairs + tokens) * hidden
-                                  + 4 * pairs),
-            "unpermute_forward_residual": (lambda m: m.unpermute_forward(y, slot, weights, dout),
-                                           2 * (pairs + 2 * tokens) * hidden + 4 * pairs),
-        }
-        for call, (fn, moved) in calls.items():
-            reference = None
-            for n, module in modules.items():
-                out = fn(module)
-                reference = out if reference is None else reference
-                same = torch.equal(out, reference)
-                ms, p10, p90 = timer(lambda m=module: fn(m))
-                row = {"shape": name, "call": call, "gather_tokens": n, "ms": ms, "p10_ms": p10, "p90_ms": p90,
-                       "gbps": moved / ms / 1e6, "pct_of_copy": 100 * moved / ms / 1e6 / copy_gbps,
-                       "bitwise_equal_to_first": same}
-                result["gather_rows"].append(row)
-                print(f"{name:16s} {call:27s} tokens {n}: {ms * 1e3:7.1f} us  {row['gbps']:6.0f} GB/s  "
-                      f"{row['pct_of_copy']:5.1f}% of copy  same bits: {same}", flush=True)
+    return {n: modules[BUILDERS[n].NAME] for n in values}
 
 
 def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):
@@ -111,21 +65,17 @@ def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--values", type=int, nargs="*", default=list(VALUES), choices=VALUES)
-    parser.add_argument("--gather-tokens", type=int, nargs="*", default=list(GATHER_TOKENS), choices=GATHER_TOKENS)
+    parser.add_argument("--values", type=int, nargs="+", default=list(VALUES), choices=VALUES)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    modules = build_all(args.values) if args.values else {}
-    gather_modules = build_all(args.gather_tokens, GATHER_BUILDERS) if args.gather_tokens else {}
+    modules = build_all(args.values)
     timer = Timer(warmup=5, repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)
-    result = {"environment": environment(), "copy_gbps": copy_gbps, "rows": [], "gather_rows": []}
+    result = {"environment": environment(), "copy_gbps": copy_gbps, "rows": []}
     print(f"device copy: {copy_gbps:.0f} GB/s")
-    if gather_modules:
-        gathers(gather_modules, timer, copy_gbps, result)
-    for name, tokens, hidden, experts, top_k in SHAPES if modules else ():
-        dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, next(iter(modules.values())))
+    for name, tokens, hidden, experts, top_k in SHAPES:
+        dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, modules[args.values[0]])
         moved = 2 * (tokens * hidden + 2 * tokens * top_k * hidden) + 4 * tokens * top_k
         reference = None
         for n, module in modules.items():

@@ -113,80 +113,50 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// The gather reads the rows of kLoadsInFlight pairs of kGatherTokens tokens before it adds the first: at H = 2048
-// bf16 a token is one vector per thread of a 256-thread block, so one token per thread left each thread with K
-// reads in flight behind a dependent slot load, and the kernel ran at ~60% of copy bandwidth on an H200 (the
-// unpermute forward and permute backward in the 87181e1 e2e profile), bound by waves of short-lived blocks.
-// The sum of each token runs j = 0..K-1 in order in fp32 registers, after the residual when there is one, and
-// is rounded once, so the result does not depend on either constant (benchmarks/diagnose_dispatch.py builds
-// this file with the macros set and checks that the bits agree).
-#ifndef LF_DISPATCH_GATHER_TOKENS
-#define LF_DISPATCH_GATHER_TOKENS 2
-#endif
-constexpr int kGatherTokens = LF_DISPATCH_GATHER_TOKENS;
-static_assert(kGatherTokens >= 1 && kGatherTokens <= 8, "tokens per gather thread: 1 to 8");
-
+// The gather reads the rows of kLoadsInFlight pairs of a token before it adds the first, so that a thread has
+// that many 16-byte reads in flight instead of one dependent load at a time; the sum runs j = 0..K-1 in order in
+// fp32 registers, after the residual when there is one, and is rounded once.
 template <typename T, int V, bool WEIGHTED, bool RESIDUAL>
 __global__ void __launch_bounds__(kThreads)
     moe_gather_rows_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
                            const float* __restrict__ weights, const T* __restrict__ residual, int64_t res_stride,
                            T* __restrict__ dst, int64_t tokens, int k, int n_vec) {
     const int64_t hidden = static_cast<int64_t>(n_vec) * V;
-    const int64_t rows = blockDim.y;  // tokens of a block side by side; a thread takes kGatherTokens of them
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows * kGatherTokens + threadIdx.y; base < tokens;
-         base += static_cast<int64_t>(gridDim.x) * rows * kGatherTokens) {
+    for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; t < tokens;
+         t += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+        const int64_t* slot_t = slot + t * k;
         for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
-            float acc[kGatherTokens][V];
+            float acc[V];
+            if constexpr (RESIDUAL) {
+                const Vec<T, V> rv = load_vec<T, V>(residual + t * res_stride + c * V);
 #pragma unroll
-            for (int r = 0; r < kGatherTokens; ++r) {
-                const int64_t t = base + r * rows;
-                if constexpr (RESIDUAL) {
-                    if (t < tokens) {
-                        const Vec<T, V> rv = load_vec<T, V>(residual + t * res_stride + c * V);
+                for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
+            } else {
 #pragma unroll
-                        for (int e = 0; e < V; ++e) acc[r][e] = static_cast<float>(rv.val[e]);
-                    }
-                } else {
-#pragma unroll
-                    for (int e = 0; e < V; ++e) acc[r][e] = 0.f;
-                }
+                for (int e = 0; e < V; ++e) acc[e] = 0.f;
             }
             for (int j0 = 0; j0 < k; j0 += kLoadsInFlight) {
-                Vec<T, V> v[kGatherTokens][kLoadsInFlight];
-                float w[kGatherTokens][kLoadsInFlight];
+                Vec<T, V> v[kLoadsInFlight];
+                float w[kLoadsInFlight];
 #pragma unroll
-                for (int r = 0; r < kGatherTokens; ++r) {
-                    const int64_t t = base + r * rows;
-#pragma unroll
-                    for (int d = 0; d < kLoadsInFlight; ++d) {
-                        if (t < tokens && j0 + d < k) {
-                            v[r][d] = load_vec<T, V>(src + slot[t * k + j0 + d] * src_stride + c * V);
-                            w[r][d] = WEIGHTED ? weights[t * k + j0 + d] : 1.f;
-                        }
+                for (int d = 0; d < kLoadsInFlight; ++d) {
+                    if (j0 + d < k) {
+                        v[d] = load_vec<T, V>(src + slot_t[j0 + d] * src_stride + c * V);
+                        w[d] = WEIGHTED ? weights[t * k + j0 + d] : 1.f;
                     }
                 }
 #pragma unroll
-                for (int r = 0; r < kGatherTokens; ++r) {
-                    const int64_t t = base + r * rows;
+                for (int d = 0; d < kLoadsInFlight; ++d) {
+                    if (j0 + d < k) {
 #pragma unroll
-                    for (int d = 0; d < kLoadsInFlight; ++d) {
-                        if (t < tokens && j0 + d < k) {
-#pragma unroll
-                            for (int e = 0; e < V; ++e) acc[r][e] = fmaf(w[r][d], static_cast<float>(v[r][d].val[e]), acc[r][e]);
-                        }
+                        for (int e = 0; e < V; ++e) acc[e] = fmaf(w[d], static_cast<float>(v[d].val[e]), acc[e]);
                     }
                 }
             }
+            Vec<T, V> out;
 #pragma unroll
-            for (int r = 0; r < kGatherTokens; ++r) {
-                const int64_t t = base + r * rows;
-                if (t < tokens) {
-                    Vec<T, V> out;
-#pragma unroll
-                    for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[r][e]);
-                    store_vec<T, V>(dst + t * hidden + c * V, out);
-                }
-            }
+            for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
+            store_vec<T, V>(dst + t * hidden + c * V, out);
         }
     }
 }
@@ -197,16 +167,14 @@ struct TokenLaunch {
 
 // Threads per row: the row's vectors rounded up to a power of two below a warp, to whole warps above,
 // at most max_tpr (a block, or a warp when the kernel reduces along the row); narrow rows share a block.
-// The grid covers every token once (tokens_per_thread of them per thread) up to 64 blocks per SM; beyond that the
-// kernels loop.
-TokenLaunch plan_token_launch(int64_t tokens, int n_vec, int max_tpr = kThreads, int tokens_per_thread = 1) {
+// The grid covers every token once up to 64 blocks per SM; beyond that the kernels loop.
+TokenLaunch plan_token_launch(int64_t tokens, int n_vec, int max_tpr = kThreads) {
     int tpr = 1;
     while (tpr < n_vec && tpr < 32) tpr <<= 1;
     if (n_vec > 32) tpr = std::min(max_tpr, (n_vec + 31) / 32 * 32);
     const int rows_per_block = kThreads / tpr;
     const int64_t max_blocks = static_cast<int64_t>(lf_sm_count()) * 64;
-    const int64_t per_block = static_cast<int64_t>(rows_per_block) * tokens_per_thread;
-    const int64_t blocks = std::min(max_blocks, (tokens + per_block - 1) / per_block);
+    const int64_t blocks = std::min(max_blocks, (tokens + rows_per_block - 1) / rows_per_block);
     return {dim3(static_cast<unsigned>(blocks)), dim3(tpr, rows_per_block)};
 }
 
@@ -282,7 +250,7 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
             rows_aligned16(src_PH) && rows_aligned16(dst_TH) && (!has_residual || rows_aligned16(residual_TH));
         dispatch_vec<T>(hidden, aligned, [&]<int V>() {
             const int n_vec = static_cast<int>(hidden / V);
-            const TokenLaunch l = plan_token_launch(tokens, n_vec, kThreads, kGatherTokens);
+            const TokenLaunch l = plan_token_launch(tokens, n_vec);
             auto launch = [&]<bool WEIGHTED, bool RESIDUAL>() {
                 moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
                     src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
