@@ -29,7 +29,9 @@ from benchmarks.harness import Timer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
 
-def build(model_name: str, seq_len: int, micro_batch: int):
+def build(model_name: str, seq_len: int, micro_batch: int, fused_kernels: dict | None = None):
+    """The injected bf16 model (the same weights on every call: seeded) and a batch of token ids; ``fused_kernels``
+    overrides switches of the bench's LoongForge block."""
     import bench_e2e
     import train
 
@@ -37,10 +39,22 @@ def build(model_name: str, seq_len: int, micro_batch: int):
 
     torch.manual_seed(0)
     model = train.build_model(model_name, 32000, seq_len)
-    inject(model, bench_e2e.make_ds_config(True, micro_batch, "text"))
+    config = bench_e2e.make_ds_config(True, micro_batch, "text")
+    config["loongforge"].setdefault("fused_kernels", {}).update(fused_kernels or {})
+    inject(model, config)
     model = model.to(device="cuda", dtype=torch.bfloat16).train()
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device="cuda")
     return model, ids
+
+
+def model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The e2e model and timing options the diagnoses of this model share."""
+    parser.add_argument("--model", default="mixtral")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
 
 
 def overlap(model, ids, timer) -> dict:
@@ -110,13 +124,7 @@ def graph(model, ids, timer) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mixtral")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
     model, ids = build(args.model, args.seq_len, args.micro_batch)
     # ~100 ms of head start (at ~2 GHz): the host queues a whole step before the GPU reaches the start event
     timer = Timer(warmup=3, repeats=args.repeats, head_start_cycles=200_000_000)

@@ -20,38 +20,22 @@ The two models are launch/train.py's preset with the same weights, LoongForge in
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
+from benchmarks import diagnose_e2e_levers as levers
 from benchmarks.harness import Timer
 from ds_loongforge.profiler import nvml_errors
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-
 
 def build(model_name: str, seq_len: int, micro_batch: int):
-    import bench_e2e
-    import train
-
-    from ds_loongforge.integrations.inject import inject
-
-    torch.manual_seed(0)
-    stock = train.build_model(model_name, 32000, seq_len)
+    """The two models, the same weights (diagnose_e2e_levers.build seeds), and one batch."""
     models = {}
     for name, on in (("fused", True), ("unfused", False)):
-        model = copy.deepcopy(stock)
-        config = bench_e2e.make_ds_config(True, micro_batch, "text")
-        config["loongforge"].setdefault("fused_kernels", {})["residual_add"] = on
-        inject(model, config)
-        models[name] = model.to(device="cuda", dtype=torch.bfloat16).train()
-    del stock
-    ids = torch.randint(0, 32000, (micro_batch, seq_len), device="cuda")
+        models[name], ids = levers.build(model_name, seq_len, micro_batch, {"residual_add": on})
     return models, ids
 
 
@@ -111,14 +95,9 @@ def kernels(fn) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mixtral")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser = levers.model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--energy-blocks", type=int, default=6)
     parser.add_argument("--energy-calls", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     models, ids = build(args.model, args.seq_len, args.micro_batch)
     fns = {name: step_fn(model, ids) for name, model in models.items()}

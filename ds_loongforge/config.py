@@ -23,11 +23,12 @@ class FusedKernelsConfig(_Section):
                       "GEMM over their concatenated weights (ds_loongforge.modules.qkv; the three Linears, their "
                       "Parameters and state-dict keys stay). Any call the fused product cannot serve runs the "
                       "Linear alone.")
-    residual_add: bool = Field(True, strict=True, description="Fuse each decoder layer's residual add after the "
-                               "attention into its post-attention RMSNorm, and add the residual stream's "
-                               "gradients in the norms' backward kernels (ds_loongforge.integrations.residual; "
-                               "needs fused_kernels.rmsnorm). The layer is re-classed; its forward is the "
-                               "family's own with two statements rewritten, or left alone if it differs.")
+    residual_add: bool = Field(True, strict=True, description="Fuse each decoder layer's residual adds: the one "
+                               "after the attention into its post-attention RMSNorm, the MLP's into "
+                               "ExpertMaskedMoE's combine (a dense MLP keeps its add), and the residual stream's "
+                               "gradient sums into the norms' backward kernels (ds_loongforge.integrations.residual; "
+                               "needs fused_kernels.rmsnorm). The layer is re-classed; its forward is the family's "
+                               "own with three steps rewritten, or left alone if it differs.")
     rope: bool = Field(True, strict=True, description="Replace the family's rotary embedding function with "
                        "Liger-Kernel's fused RoPE on CUDA (process-wide patch of "
                        "modeling_<family>.apply_rotary_pos_emb; needs liger-kernel). CPU tensors and inputs Liger "

@@ -182,42 +182,34 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         fuse_qkv(module)
         return True
 
-    # then the dense pieces: (classes, switch name, switch, why a module cannot be replaced, replace -> done, kind)
+    # then the dense pieces, and last the decoder layers around the norms replaced before them: (classes, switch
+    # name, switch, why a module cannot be replaced, replace -> done, kind, what a reason is prefixed with); a
+    # decoder layer is not `handled` (the modules inside it keep being reported)
     attention_types = {classes[name]: p for p, classes in active for name in p.attention}
-    for types, switch, on, problem, replace, kind in (
+    decoder_types = {cls: p for p, _ in active if (cls := p.decoder_class()) is not None}
+    for types, switch, on, problem, replace, kind, prefix in (
             (mlp_types, "fused_kernels.swiglu", config.fused_kernels.swiglu, _swiglu_problem,
-             swap_in(FusedSwiGLUMLP), KIND_MLP),
+             swap_in(FusedSwiGLUMLP), KIND_MLP, ""),
             (norm_types, "fused_kernels.rmsnorm", config.fused_kernels.rmsnorm, lambda m: None,
-             swap_in(FusedRMSNorm), KIND_RMSNORM),
+             swap_in(FusedRMSNorm), KIND_RMSNORM, ""),
             (attention_types, "fused_kernels.qkv", config.fused_kernels.qkv, qkv_problem, fuse_projections,
-             KIND_QKV)):
+             KIND_QKV, ""),
+            (decoder_types, "fused_kernels.residual_add", config.fused_kernels.residual_add, residual_problem,
+             lambda path, module: fuse_residual_adds(module, _dynamic_class), KIND_RESIDUAL,
+             "residual adds not fused: ")):
         for path, module in _snapshot(model):
             preset = types.get(type(module))
             if preset is None:
                 continue
-            handled.add(path)
+            if kind != KIND_RESIDUAL:
+                handled.add(path)
             reason = f"{switch} is false" if not on else problem(module)
             if reason:
-                report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
+                report.not_replaced.append((path, f"{type(module).__name__}: {prefix}{reason}"))
                 continue
             if replace(path, module):
                 families[preset.name] += 1
                 report.replaced[kind] = report.replaced.get(kind, 0) + 1
-
-    # last, the decoder layers around the norms replaced above (not `handled`: their children keep being reported)
-    decoder_types = {cls: p for p, _ in active if (cls := p.decoder_class()) is not None}
-    for path, module in _snapshot(model):
-        preset = decoder_types.get(type(module))
-        if preset is None:
-            continue
-        reason = "fused_kernels.residual_add is false" if not config.fused_kernels.residual_add \
-            else residual_problem(module)
-        if reason:
-            report.not_replaced.append((path, f"{type(module).__name__}: residual adds not fused: {reason}"))
-            continue
-        if fuse_residual_adds(module, _dynamic_class):
-            families[preset.name] += 1
-            report.replaced[KIND_RESIDUAL] = report.replaced.get(KIND_RESIDUAL, 0) + 1
 
     _patch_rope(model, config, report, families)
     _patch_balancing(model, config, report)

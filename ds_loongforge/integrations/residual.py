@@ -12,7 +12,7 @@ Every supported family's decoder layer forward reads (transformers 5.x)::
     hidden_states = residual + hidden_states
 
 With both norms FusedRMSNorm, the layer is re-classed as ``LoongForge<Layer>``, whose forward is the family's own
-source with two of its statements rewritten:
+source with three of its steps rewritten (each replacing two or three statements):
 
     hidden_states, residual = self.input_layernorm(hidden_states, keep_input=True)
     hidden_states, _ = self.self_attn(...)
@@ -71,7 +71,10 @@ def fused_forward(layer_cls: type) -> tuple[Callable | None, tuple[str, str] | N
         filename = inspect.getsourcefile(raw) or "<unknown>"
     except (OSError, TypeError) as err:
         return None, None, f"the source of its forward is not available ({err})"
-    tree = ast.parse(source)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as err:  # e.g. a forward assigned from a lambda: getsource returns the whole statement
+        return None, None, f"the source of its forward does not parse on its own ({err})"
     function = tree.body[0]
     if not isinstance(function, ast.FunctionDef):
         return None, None, "its forward is not a plain function definition"
@@ -112,7 +115,10 @@ def fused_forward(layer_cls: type) -> tuple[Callable | None, tuple[str, str] | N
     function.body = [*body[:start], keep_input, *between, add_norm, *rest]
     ast.increment_lineno(tree, first_line - 1)
     namespace: dict = {}
-    exec(compile(tree, filename, "exec"), raw.__globals__, namespace)  # noqa: S102 - transformers' own source
+    try:  # the decorators are evaluated again, in the module's globals: one defined elsewhere is a NameError
+        exec(compile(tree, filename, "exec"), raw.__globals__, namespace)  # noqa: S102 - transformers' own source
+    except (NameError, AttributeError, TypeError) as err:
+        return None, None, f"its rewritten forward does not build in its module ({type(err).__name__}: {err})"
     return namespace[function.name], (input_norm, post_norm), None
 
 
@@ -130,8 +136,8 @@ def residual_problem(layer: nn.Module) -> str | None:
 
 
 def fuse_residual_adds(layer: nn.Module, make_class: Callable[[str, tuple[type, ...], str, dict], type]) -> bool:
-    """Re-class ``layer`` so that its forward fuses the attention's residual adds into its norms; False when it
-    already does. ``make_class(name, bases, doc, namespace)`` builds (once per name) the re-classed type."""
+    """Re-class ``layer`` so that its forward runs its residual adds inside its norms (and inside its MLP when that
+    takes the residual); False when it already does. ``make_class(name, bases, doc, namespace)`` builds (once per name) the re-classed type."""
     cls = type(layer)
     if FUSED_ATTR in cls.__dict__:
         return False

@@ -146,3 +146,28 @@ def test_switch_off_is_reported_and_a_second_inject_changes_nothing():
     classes = [type(layer) for layer in fused.model.layers]
     again = inject(fused, ON)
     assert KIND_RESIDUAL not in again.replaced and [type(layer) for layer in fused.model.layers] == classes
+
+
+def _passthrough(function):  # a decorator that is not a global of the module the layer's class comes from
+    return function
+
+
+def test_a_forward_whose_decorator_the_module_lacks_is_left_alone():
+    base = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    passthrough = _passthrough
+
+    class DecoratedLayer(base):
+        @passthrough
+        def forward(self, hidden_states, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    forward, norms, why = fused_forward(DecoratedLayer)
+    assert forward is None and "does not build in its module (NameError" in why and "passthrough" in why
