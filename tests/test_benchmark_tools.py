@@ -73,3 +73,17 @@ def test_loss_summary_differences_from_stock_per_call(tmp_path):
     assert "calls_to_resolve" not in rows["loongforge"]  # one call: no spread to go on
     assert call_commit({"env": {"commit": "1234abc"}}, tmp_path / "x.json") == "1234abc"
     assert call_commit({}, tmp_path / "bench_e2e_mixtral_5b2680a_stock_order.json") == "5b2680a"
+
+
+def test_loss_floor_table_compares_each_seed_with_its_own_stock_run():
+    from benchmarks.loss_floor_cpu import VARIANTS, table
+
+    rows = []
+    for seed, stock in ((1, 2.0), (2, 4.0)):
+        for i, variant in enumerate(VARIANTS):
+            factor = 1 + 0.01 * i * (1 if seed == 1 else -1)  # variant i: +i% at seed 1, -i% at seed 2
+            rows.append({"variant": variant, "seed": seed, "eval_loss": stock * factor, "last10_loss": stock * factor})
+    lines = table(rows, [1, 2])
+    assert len(lines) == 2 + len(VARIANTS) - 1  # header, rule, one row per variant but stock
+    eager = next(line for line in lines if line.startswith("| stock-eager |"))
+    assert "+1.00, -1.00" in eager and "| +0.00 ± 1.41 | 1.00 |" in eager
