@@ -78,20 +78,17 @@ def energy(fns: dict, blocks: int, calls: int) -> dict:
 
 
 def kernels(fn) -> dict:
+    """One profiled call: diagnostics.kernel_timeline's summary, with every kernel in its list."""
     from torch.profiler import ProfilerActivity, profile
+
+    from ds_loongforge.diagnostics import kernel_timeline
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_name[event.name[:100]]
-            entry[0] += 1
-            entry[1] += event.device_time / 1e3
-    return {name: {"calls": c, "ms": round(ms, 4)} for name, (c, ms) in per_name.items()}
+    return kernel_timeline(prof, iters=1, top=100_000)
 
 
 def main():
@@ -110,12 +107,14 @@ def main():
     result["energy"] = energy(fns, args.energy_blocks, args.energy_calls)
     print("energy:", json.dumps(result["energy"]), flush=True)
 
-    profiles = {name: kernels(fn) for name, fn in fns.items()}
+    timelines = {name: kernels(fn) for name, fn in fns.items()}
+    profiles = {name: {k["name"]: {"calls": k["calls_per_iter"], "ms": k["ms_per_iter"]} for k in t["top_kernels"]}
+                for name, t in timelines.items()}
     fused, unfused = profiles["fused"], profiles["unfused"]
     names = set(fused) | set(unfused)
     diff = sorted(((unfused.get(n, {"ms": 0})["ms"] - fused.get(n, {"ms": 0})["ms"], n) for n in names), reverse=True)
     result["kernels"] = {
-        name: {"calls": sum(k["calls"] for k in prof.values()), "busy_ms": round(sum(k["ms"] for k in prof.values()), 3),
+        name: {"calls": timelines[name]["kernels_per_iter"], "busy_ms": timelines[name]["busy_ms_per_iter"],
                "add_calls": sum(k["calls"] for n, k in prof.items() if "CUDAFunctor_add" in n)}
         for name, prof in profiles.items()}
     result["kernel_ms_saved_by_fusion"] = [

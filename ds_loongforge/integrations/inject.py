@@ -183,25 +183,25 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         return True
 
     # then the dense pieces, and last the decoder layers around the norms replaced before them: (classes, switch
-    # name, switch, why a module cannot be replaced, replace -> done, kind, what a reason is prefixed with); a
-    # decoder layer is not `handled` (the modules inside it keep being reported)
+    # name, switch, why a module cannot be replaced, replace -> done, kind, what a reason is prefixed with, whether
+    # the modules inside a matched one are settled: not for a decoder layer, whose children keep being reported)
     attention_types = {classes[name]: p for p, classes in active for name in p.attention}
     decoder_types = {cls: p for p, _ in active if (cls := p.decoder_class()) is not None}
-    for types, switch, on, problem, replace, kind, prefix in (
+    for types, switch, on, problem, replace, kind, prefix, settles in (
             (mlp_types, "fused_kernels.swiglu", config.fused_kernels.swiglu, _swiglu_problem,
-             swap_in(FusedSwiGLUMLP), KIND_MLP, ""),
+             swap_in(FusedSwiGLUMLP), KIND_MLP, "", True),
             (norm_types, "fused_kernels.rmsnorm", config.fused_kernels.rmsnorm, lambda m: None,
-             swap_in(FusedRMSNorm), KIND_RMSNORM, ""),
+             swap_in(FusedRMSNorm), KIND_RMSNORM, "", True),
             (attention_types, "fused_kernels.qkv", config.fused_kernels.qkv, qkv_problem, fuse_projections,
-             KIND_QKV, ""),
+             KIND_QKV, "", True),
             (decoder_types, "fused_kernels.residual_add", config.fused_kernels.residual_add, residual_problem,
              lambda path, module: fuse_residual_adds(module, _dynamic_class), KIND_RESIDUAL,
-             "residual adds not fused: ")):
+             "residual adds not fused: ", False)):
         for path, module in _snapshot(model):
             preset = types.get(type(module))
             if preset is None:
                 continue
-            if kind != KIND_RESIDUAL:
+            if settles:
                 handled.add(path)
             reason = f"{switch} is false" if not on else problem(module)
             if reason:

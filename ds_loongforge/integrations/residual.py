@@ -1,4 +1,4 @@
-"""A decoder layer's two residual adds around its attention fused into its RMSNorms (``fused_kernels.residual_add``).
+"""A decoder layer's residual adds fused into its RMSNorms and its MoE block (``fused_kernels.residual_add``).
 
 Every supported family's decoder layer forward reads (transformers 5.x)::
 

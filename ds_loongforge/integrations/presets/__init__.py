@@ -47,11 +47,17 @@ class FamilyPreset:
     # a transformers release without it leaves the rest of the preset active
     decoder_layer: str | None = None
 
+    def _module(self):
+        """The family's modeling module, or None if this transformers lacks it."""
+        try:
+            return importlib.import_module(self.modeling_module)
+        except ImportError:
+            return None
+
     def resolve(self) -> dict[str, type] | None:
         """Class name -> class from the family's modeling module, or None if this transformers lacks it."""
-        try:
-            module = importlib.import_module(self.modeling_module)
-        except ImportError:
+        module = self._module()
+        if module is None:
             return None
         names = (*self.rmsnorm, *self.mlp, *self.attention, *((self.moe.block,) if self.moe else ()))
         classes = {name: getattr(module, name, None) for name in names}
@@ -59,13 +65,8 @@ class FamilyPreset:
 
     def decoder_class(self) -> type | None:
         """The family's decoder layer class, or None (no ``decoder_layer``, or this transformers lacks it)."""
-        if self.decoder_layer is None:
-            return None
-        try:
-            module = importlib.import_module(self.modeling_module)
-        except ImportError:
-            return None
-        return getattr(module, self.decoder_layer, None)
+        module = self._module() if self.decoder_layer is not None else None
+        return getattr(module, self.decoder_layer, None) if module is not None else None
 
 
 # imported after the dataclasses above, which the family files use
