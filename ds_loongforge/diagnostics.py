@@ -7,6 +7,8 @@ summaries are plain dicts (JSON), small enough to keep next to a benchmark's num
   each gap), time per kernel category (GEMM, attention, our fused ops, optimizer, copies, elementwise,
   reductions, communication), time per annotated range (``torch.profiler.record_function`` names, e.g. the
   training loop's ``forward`` / ``loss`` / ``backward`` / ``step``) split by category, and the top kernels.
+- :func:`trace_gaps`: the longest GPU idle gaps of an exported chrome trace, each with when the host launched the
+  work after it and what the host threads were doing meanwhile (host-bound issue vs a wait on the device).
 - :func:`memory_at_peak`: replays a ``torch.cuda.memory._snapshot()`` trace to the moment the allocated bytes
   peaked and groups the blocks alive then by the first source line outside torch that allocated them.
 - :class:`HostSyncRecorder`: every operation inside its block that makes the host wait for the device (a CUDA
@@ -154,6 +156,68 @@ def _host_ranges(events, annotated, wanted, iters: int) -> dict[str, dict[str, f
             entry["host_lead_ms"] = round(sum(g.start - h.start for g, h in zip(on_gpu, spans)) / len(spans) / 1e3, 3)
         out[name] = entry
     return out
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def trace_gaps(trace: dict[str, Any], top: int = 5, threshold_us: float = 50.0,
+               host_min_us: float = 20.0) -> list[dict[str, Any]]:
+    """Why the GPU idled: the ``top`` longest gaps between device activities of a chrome trace exported by
+    ``torch.profiler`` (``prof.export_chrome_trace``), each with the host side of it.
+
+    Per gap: its length and the activities either side; ``launch_after_gap_start_us``: when the host called the
+    launch of the activity after the gap, from the gap's start (its kineto correlation id). Positive and close
+    to the gap's length: the host issued it late, the GPU waited for the host. Negative (launched before the GPU
+    went idle): the GPU waited on something else, a stream or event wait. ``launch_stack``: the host ops open on
+    the launching thread at that call, outermost first. ``host``: the host ops and CUDA API calls of at least
+    ``host_min_us`` that overlap the gap on any thread (thread id, start from the gap's start, duration), which
+    show what the host was doing instead: a slow op, a ``cudaFree`` / ``cudaMalloc`` (the caching allocator
+    going to the driver, which waits for the device), a synchronize."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS), key=lambda e: e["ts"])
+    if len(device) < 2:
+        return []
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", *_LAUNCH_CATS)]
+    gaps = []
+    frontier, previous = device[0]["ts"] + device[0]["dur"], device[0]
+    for e in device[1:]:
+        if e["ts"] - frontier > threshold_us:
+            gaps.append((e["ts"] - frontier, frontier, previous, e))
+        if e["ts"] + e["dur"] > frontier:
+            frontier, previous = e["ts"] + e["dur"], e
+    gaps.sort(key=lambda g: -g[0])
+    out = []
+    for length, start, before, after in gaps[:top]:
+        entry: dict[str, Any] = {"gap_us": round(length, 1), "after": before["name"][:80],
+                                 "before": after["name"][:80]}
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        if launch is not None:
+            entry["launch_after_gap_start_us"] = round(launch["ts"] - start, 1)
+            entry["launch_stack"] = [o["name"][:80] for o in sorted(
+                (o for o in host if o.get("cat") in ("cpu_op", "user_annotation")
+                 and o.get("tid") == launch.get("tid") and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]),
+                key=lambda o: (o["ts"], -o["dur"]))]
+        entry["host"] = [{"tid": o.get("tid"), "name": o["name"][:80], "start_us": round(o["ts"] - start, 1),
+                          "dur_us": round(o["dur"], 1)}
+                         for o in sorted(host, key=lambda o: o["ts"])
+                         if o["dur"] >= host_min_us and o["ts"] < start + length and o["ts"] + o["dur"] > start][:60]
+        out.append(entry)
+    return out
+
+
+def format_trace_gaps(gaps: list[dict[str, Any]]) -> str:
+    lines = []
+    for g in gaps:
+        lag = g.get("launch_after_gap_start_us")
+        lines.append(f"{g['gap_us']:9.1f} us idle after {g['after']} before {g['before']}"
+                     + (f"; its launch {lag:+.1f} us from the gap's start in {' > '.join(g['launch_stack'][-4:])}"
+                        if lag is not None else ""))
+        lines += [f"    tid {h['tid']}: {h['start_us']:+9.1f} us {h['dur_us']:9.1f} us  {h['name']}" for h in g["host"]]
+    return "\n".join(lines)
 
 
 def format_host_ranges(host: dict[str, dict[str, float]], digits: int = 2) -> str:

@@ -132,6 +132,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                    help="CUDA: torch.profiler over N steps (from step 6, or the last N): kernel time by category, "
                    "by phase (forward, loss, backward, step) and the top kernels, in the summary (\"kernels\")")
+    p.add_argument("--kernel-profile-device-only", action="store_true",
+                   help="with --kernel-profile: record the GPU's activities and the CUDA API calls only, not every "
+                   "host op, so the host runs at its unprofiled speed and the gaps between kernels are the "
+                   "unprofiled step's (no phase ranges then)")
+    p.add_argument("--kernel-trace", default=None, metavar="PATH",
+                   help="with --kernel-profile: write its chrome trace to PATH (.json or .json.gz) and report the "
+                   "longest GPU idle gaps with the host's side of each (when the work after the gap was launched, "
+                   "what the host threads did meanwhile) in the summary (\"kernels\" -> \"trace_gaps\")")
     p.add_argument("--memory-snapshot", action="store_true",
                    help="CUDA: record the allocations of step 2 and report the blocks alive at its peak, grouped by "
                    "the source line that allocated them, in the summary (\"memory_at_peak\")")
@@ -435,6 +443,20 @@ def annotate_model_parts(model: nn.Module) -> list:
     return annotate_modules(parts)
 
 
+def _export_trace_gaps(prof, path: str) -> list:
+    """--kernel-trace: the profile's chrome trace at ``path``, and its longest idle gaps (diagnostics.trace_gaps)."""
+    import gzip
+
+    from ds_loongforge.diagnostics import format_trace_gaps, trace_gaps
+
+    prof.export_chrome_trace(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        gaps = trace_gaps(json.load(f), top=6)
+    logger.info("longest GPU idle gaps of the profiled steps (trace in %s):\n%s", path, format_trace_gaps(gaps))
+    return gaps
+
+
 def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int] | None:
     """First and last step that --kernel-profile N records: from step 6 (op loading, warm-up and the sampler's
     first refresh behind), or the last N steps of a shorter run; never the first step."""
@@ -646,8 +668,10 @@ def main(argv=None) -> dict:
             sync_recorder = HostSyncRecorder().__enter__()
         if kernel_window and step == kernel_window[0]:
             get_accelerator().synchronize()
-            kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                             torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if not args.kernel_profile_device_only:
+                activities.insert(0, torch.profiler.ProfilerActivity.CPU)
+            kernel_prof = torch.profiler.profile(activities=activities)
             kernel_prof.__enter__()
             annotate = torch.profiler.record_function
             module_ranges = annotate_model_parts(engine.module)
@@ -692,6 +716,8 @@ def main(argv=None) -> dict:
                 handle.remove()
             kernels = kernel_timeline(kernel_prof, iters=kernel_window[1] - kernel_window[0] + 1, top=40)
             kernels["steps"] = list(kernel_window)
+            if args.kernel_trace and rank == 0:
+                kernels["trace_gaps"] = _export_trace_gaps(kernel_prof, args.kernel_trace)
             kernel_prof = None
             if rank == 0:
                 logger.info("kernels of steps %d..%d:\n%s", *kernel_window, format_kernel_timeline(kernels))

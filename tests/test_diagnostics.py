@@ -201,3 +201,39 @@ def test_host_sync_recorder_counts_explicit_synchronize_calls(monkeypatch):
     ((site,),) = [[s["where"] for s in syncs.summary()["sites"]]]
     assert syncs.summary()["count"] == 1 and "test_host_sync_recorder_counts_explicit_synchronize_calls" in site
     assert torch.cuda.Event.synchronize is event_sync and torch.cuda.Stream.synchronize is stream_sync
+
+
+def _x(name, cat, ts, dur, tid=1, correlation=None):
+    e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "pid": 0, "args": {}}
+    if correlation is not None:
+        e["args"]["correlation"] = correlation
+    return e
+
+
+def test_trace_gaps_says_whether_the_host_launched_late_and_what_it_did():
+    trace = {"traceEvents": [
+        _x("backward", "user_annotation", 0, 5000, tid=1),
+        _x("evaluate_function: MulBackward0", "cpu_op", 900, 2200, tid=2),
+        _x("aten::mul", "cpu_op", 3000, 90, tid=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 5, tid=1, correlation=1),
+        _x("cudaFree", "cuda_runtime", 1200, 1500, tid=2),            # the host waits in the driver
+        _x("cudaLaunchKernel", "cuda_runtime", 3050, 5, tid=2, correlation=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 3060, 5, tid=2, correlation=3),
+        _x("fill_kernel", "kernel", 100, 900, tid=7, correlation=1),   # ends at 1000
+        _x("mul_kernel", "kernel", 3100, 50, tid=7, correlation=2),    # 2100 us idle before it
+        _x("wait_kernel", "kernel", 3400, 10, tid=8, correlation=3),   # 250 us idle, launched before it
+        {"ph": "i", "name": "marker", "ts": 5},                        # not a duration event: skipped
+    ]}
+    gaps = d.trace_gaps(trace, top=5, threshold_us=100, host_min_us=50)
+    assert [g["gap_us"] for g in gaps] == [2100.0, 250.0]
+    late, early = gaps
+    assert (late["after"], late["before"]) == ("fill_kernel", "mul_kernel")
+    assert late["launch_after_gap_start_us"] == 2050.0  # launched 2050 us after the GPU went idle
+    assert late["launch_stack"] == ["evaluate_function: MulBackward0", "aten::mul"]
+    names = [h["name"] for h in late["host"]]
+    assert names == ["backward", "evaluate_function: MulBackward0", "cudaFree", "aten::mul"]
+    assert late["host"][2] == {"tid": 2, "name": "cudaFree", "start_us": 200.0, "dur_us": 1500.0}
+    assert early["launch_after_gap_start_us"] == -90.0  # launched before the gap: a device-side wait
+    text = d.format_trace_gaps(gaps)
+    assert "2100.0 us idle after fill_kernel before mul_kernel" in text and "cudaFree" in text
+    assert d.trace_gaps({"traceEvents": []}) == []

@@ -240,6 +240,29 @@ def test_kernel_profile_and_memory_snapshot_on_cuda(tmp_path):
 
 
 @pytest.mark.gpu
+def test_kernel_trace_reports_the_idle_gaps_on_cuda(tmp_path):
+    """--kernel-trace writes the profiled steps' chrome trace and reports its longest idle gaps with the launch of
+    the work after each; --kernel-profile-device-only records no host ops (so no phase ranges), but still the CUDA
+    API calls that tie each kernel to its launch."""
+    for device_only in (False, True):
+        trace = tmp_path / f"trace_{device_only}.json.gz"
+        got = _train_gpu("--deepspeed_config", "ds_configs/1gpu_zero2_bf16.json", "--steps", "4",
+                         "--kernel-profile", "2", "--kernel-trace", str(trace),
+                         *(["--kernel-profile-device-only"] if device_only else []))
+        k = got["kernels"]
+        assert trace.stat().st_size > 0 and k["kernels_per_iter"] > 10
+        gaps = k["trace_gaps"]
+        assert gaps and all(g["gap_us"] > 50 for g in gaps), gaps
+        assert all("launch_after_gap_start_us" in g for g in gaps), gaps  # every kernel's launch was recorded
+        host_ops = {h["name"] for g in gaps for h in g["host"]} - {"cudaLaunchKernel", "cudaLaunchKernelExC"}
+        if device_only:
+            assert "forward" not in k["range_category_ms_per_iter"], k["range_category_ms_per_iter"]
+            assert not any(g["launch_stack"] for g in gaps), gaps  # no host op recorded around a launch
+        else:
+            assert {"forward", "backward"} <= set(k["range_category_ms_per_iter"]) and host_ops, gaps
+
+
+@pytest.mark.gpu
 def test_training_step_makes_no_host_sync_on_cuda():
     """--sync-debug on a LoongForge step of unpadded batches (random tokens fill every row) finds no place where
     the host waits for the device: the all-ones attention mask is dropped on the host (transformers would read it
