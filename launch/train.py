@@ -459,7 +459,8 @@ def _export_trace_gaps(prof, path: str) -> list:
 
 def kernel_profile_window(n: int, start_step: int, steps: int) -> tuple[int, int] | None:
     """First and last step that --kernel-profile N records: from step 6 (op loading, warm-up and the sampler's
-    first refresh behind), or the last N steps of a shorter run; never the first step."""
+    first refresh behind), or the last N steps of a shorter run; never the first step (the step before the
+    window is the profiler's warm-up, traced and dropped)."""
     if n <= 0:
         return None
     first = max(start_step + 2, min(start_step + 6, steps - n + 1))
@@ -666,12 +667,16 @@ def main(argv=None) -> dict:
             from ds_loongforge.diagnostics import HostSyncRecorder
 
             sync_recorder = HostSyncRecorder().__enter__()
-        if kernel_window and step == kernel_window[0]:
+        if kernel_window and step == kernel_window[0] - 1:
             get_accelerator().synchronize()
             activities = [torch.profiler.ProfilerActivity.CUDA]
             if not args.kernel_profile_device_only:
                 activities.insert(0, torch.profiler.ProfilerActivity.CPU)
-            kernel_prof = torch.profiler.profile(activities=activities)
+            # this step is the profiler's warm-up (traced, then dropped): it starts after the synchronize with
+            # the host no longer ahead of the GPU, and takes the profiler's first buffer requests (~3 ms on the
+            # H200 host), so its gaps are not the training loop's; the recorded steps start with the host ahead
+            kernel_prof = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
+                wait=0, warmup=1, active=kernel_window[1] - kernel_window[0] + 1, repeat=1))
             kernel_prof.__enter__()
             annotate = torch.profiler.record_function
             module_ranges = annotate_model_parts(engine.module)
@@ -706,10 +711,13 @@ def main(argv=None) -> dict:
             torch.cuda.memory._record_memory_history(enabled=None)
             if rank == 0:
                 logger.info("memory at the peak of step %d:\n%s", step, format_memory_at_peak(memory_at_peak))
+        if kernel_prof is not None:
+            if step == kernel_window[1]:
+                get_accelerator().synchronize()  # every recorded kernel finished before the trace stops
+            kernel_prof.step()
         if kernel_window and step == kernel_window[1]:
             from ds_loongforge.diagnostics import format_kernel_timeline, kernel_timeline
 
-            get_accelerator().synchronize()
             kernel_prof.__exit__(None, None, None)
             annotate = contextlib.nullcontext
             for handle in module_ranges:
