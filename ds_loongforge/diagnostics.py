@@ -77,18 +77,23 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
     annotated = [e for e in device if getattr(e, "is_user_annotation", False)]
     ranges = [(e.time_range.start, e.time_range.end, e.name) for e in annotated
               if wanted is None or e.name in wanted]
-    kernels = [e for e in device if not getattr(e, "is_user_annotation", False)]
+    recorded = sorted((e for e in device if not getattr(e, "is_user_annotation", False)),
+                      key=lambda e: e.time_range.start)
+    kernels, before = _launched_in_window(recorded, events)
+    dropped = None if before is None else len(before)
     ranges.sort()
-    kernels.sort(key=lambda e: e.time_range.start)
     if not kernels:
         return {"iters": iters, "kernels_per_iter": 0}
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
     busy = _union_length([(k.time_range.start, k.time_range.end) for k in kernels])
-    span = max(k.time_range.end for k in kernels) - kernels[0].time_range.start
+    # the window's GPU time starts where the work launched before it ends (a side stream's copy may start
+    # earlier, beside that tail); the gaps are looked for among all recorded kernels, the tail included
+    start = max([kernels[0].time_range.start] + [k.time_range.end for k in before or []])
+    span = max(k.time_range.end for k in kernels) - start
     gaps = []
-    frontier = kernels[0].time_range.end
-    previous = kernels[0]
-    for k in kernels[1:]:
+    frontier = recorded[0].time_range.end
+    previous = recorded[0]
+    for k in recorded[1:]:
         gap = k.time_range.start - frontier
         if gap > gap_threshold_us:
             during = sorted({c.name for c in cpu_ops
@@ -114,6 +119,7 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
     return {
         "iters": iters,
         "kernels_per_iter": len(kernels) / iters,
+        "kernels_launched_before_window": dropped,
         "busy_ms_per_iter": ms(busy / iters / 1e3),
         "span_ms_per_iter": ms(span / iters / 1e3),
         "gap_ms_per_iter_over_threshold": ms(sum(g[0] for g in gaps) / iters / 1e3),
@@ -129,6 +135,27 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
                         for g in gaps[:top]],
         "host_ranges": host,
     }
+
+
+_CUDA_API = re.compile(r"cu(da)?[A-Z]")  # runtime / driver calls: cudaLaunchKernel, cuLaunchKernelEx, cudaMemsetAsync
+
+
+def _launched_in_window(kernels: list, events: list) -> tuple[list, list | None]:
+    """The device activities whose launch (the CUDA API call of the same correlation id) was recorded, and those
+    whose launch was not. With the host ahead of the GPU, a profile that starts mid-run (after a dropped warm-up step,
+    say) also records the GPU finishing work launched before it began: counted, that tail of the step before
+    would add to the first step's time (the optimizer's kernel counted 4 times in 3 steps on the H200 at
+    3c36a9d). None, all kept: no launch was recorded (no CUDA API events in this profile), or none pairs with
+    a kernel."""
+    from torch.autograd import DeviceType
+
+    launched = {e.id for e in events if e.device_type == DeviceType.CPU and _CUDA_API.match(e.name)}
+    if not launched:
+        return kernels, None
+    kept = [k for k in kernels if getattr(k, "id", None) in launched]
+    if not kept:  # ids that do not pair kernels with launches (another profiler version): keep them all
+        return kernels, None
+    return kept, [k for k in kernels if getattr(k, "id", None) not in launched]
 
 
 def _host_ranges(events, annotated, wanted, iters: int) -> dict[str, dict[str, float]]:
@@ -177,10 +204,12 @@ def trace_gaps(trace: dict[str, Any], top: int = 5, threshold_us: float = 50.0,
     going to the driver, which waits for the device), a synchronize."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS), key=lambda e: e["ts"])
-    if len(device) < 2:
-        return []
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+    if launches:  # as kernel_timeline: not the tail of work launched before the recording began
+        device = [e for e in device if e.get("args", {}).get("correlation") in launches]
+    if len(device) < 2:
+        return []
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", *_LAUNCH_CATS)]
     gaps = []
     frontier, previous = device[0]["ts"] + device[0]["dur"], device[0]
@@ -266,7 +295,9 @@ def format_kernel_timeline(t: dict[str, Any], top: int = 25) -> str:
         return "no CUDA kernels recorded"
     lines = [f"{t['kernels_per_iter']:.0f} kernels/iter, busy {t['busy_ms_per_iter']:.2f} ms, span "
              f"{t['span_ms_per_iter']:.2f} ms, gaps over {t['gap_threshold_us']:g} us "
-             f"{t['gap_ms_per_iter_over_threshold']:.2f} ms",
+             f"{t['gap_ms_per_iter_over_threshold']:.2f} ms"
+             + (f" ({t['kernels_launched_before_window']} launched before the window left out)"
+                if t.get("kernels_launched_before_window") else ""),
              "by category (ms/iter): " + ", ".join(f"{c} {v:.2f}" for c, v in t["category_ms_per_iter"].items())]
     for r, cats in t["range_category_ms_per_iter"].items():
         lines.append(f"  {r}: " + ", ".join(f"{c} {v:.2f}" for c, v in cats.items()))

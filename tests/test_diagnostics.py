@@ -12,9 +12,9 @@ from ds_loongforge import diagnostics as d
 from ds_loongforge.diagnostics import HostSyncRecorder
 
 
-def _event(name, start, end, device=DeviceType.CUDA, annotation=False, parent=None):
+def _event(name, start, end, device=DeviceType.CUDA, annotation=False, parent=None, id=0):
     return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
-                           is_user_annotation=annotation, cpu_parent=parent)
+                           is_user_annotation=annotation, cpu_parent=parent, id=id)
 
 
 class _Prof:
@@ -237,3 +237,43 @@ def test_trace_gaps_says_whether_the_host_launched_late_and_what_it_did():
     text = d.format_trace_gaps(gaps)
     assert "2100.0 us idle after fill_kernel before mul_kernel" in text and "cudaFree" in text
     assert d.trace_gaps({"traceEvents": []}) == []
+
+
+def test_kernel_timeline_leaves_out_work_launched_before_the_window():
+    """With the host ahead, a profile that starts mid-run records the GPU finishing the step before: kernels
+    whose launch call is not in the profile are not counted. The CPU op's id may equal a correlation id: only
+    CUDA API calls count as launches."""
+    events = [
+        _event("aten::mm", 0, 5, device=DeviceType.CPU, id=1),            # a host op, not a launch
+        _event("cudaLaunchKernel", 10, 12, device=DeviceType.CPU, id=2),
+        _event("cuLaunchKernelEx", 20, 22, device=DeviceType.CPU, id=3),
+        _event("adamw_kernel", 0, 30, id=1),                              # launched before the window
+        _event("nvjet_sm90_gemm", 30, 60, id=2),
+        _event("_triton_rope", 60, 70, id=3),
+    ]
+    t = d.kernel_timeline(_Prof(events), iters=1)
+    assert t["kernels_launched_before_window"] == 1 and t["kernels_per_iter"] == 2
+    assert t["busy_ms_per_iter"] == pytest.approx(0.040) and "loongforge" not in t["category_ms_per_iter"]
+    assert t["span_ms_per_iter"] == pytest.approx(0.040)  # from the tail's end (30 us) to the last end
+    # a side stream's copy launched in the window runs beside the tail: busy counts it, the span starts at the
+    # tail's end, and the time the main stream spends on the tail is no gap
+    events += [_event("cudaMemcpyAsync", 1, 2, device=DeviceType.CPU, id=4), _event("Memcpy HtoD", 5, 8, id=4),
+               _event("cudaLaunchKernel", 12, 13, device=DeviceType.CPU, id=5), _event("reduce_kernel", 90, 100, id=5)]
+    t = d.kernel_timeline(_Prof(events), iters=1, gap_threshold_us=5)
+    assert t["busy_ms_per_iter"] == pytest.approx(0.053) and t["span_ms_per_iter"] == pytest.approx(0.070)
+    assert [g["gap_us"] for g in t["top_gaps_us"]] == [20]  # 70 -> 90 only
+    # no launch recorded at all (no CUDA API events): every kernel counts
+    untracked = d.kernel_timeline(_Prof([e for e in events if not e.name.startswith("cu")]), iters=1)
+    assert untracked["kernels_launched_before_window"] is None and untracked["kernels_per_iter"] == 5
+
+
+def test_trace_gaps_leave_out_work_launched_before_the_recording():
+    trace = {"traceEvents": [
+        _x("tail_of_the_step_before", "kernel", 0, 400, correlation=9),    # its launch is not in the trace
+        _x("cudaLaunchKernel", "cuda_runtime", 350, 5, correlation=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 360, 5, correlation=2),
+        _x("first", "kernel", 500, 10, correlation=1),
+        _x("second", "kernel", 700, 10, correlation=2),
+    ]}
+    gaps = d.trace_gaps(trace, threshold_us=50)
+    assert [(g["after"], g["before"], g["gap_us"]) for g in gaps] == [("first", "second", 190.0)]

@@ -222,6 +222,8 @@ def test_kernel_profile_and_memory_snapshot_on_cuda(tmp_path):
                      "2", "--memory-snapshot", "--memory-phases")
     k = got["kernels"]
     assert k["steps"] == [3, 4], k["steps"]
+    # step 2 is the profiler's warm-up: the kernels it launched that the GPU ran inside the window are left out
+    assert k["kernels_launched_before_window"] is not None, "no kernel paired with its launch"
     assert k["kernels_per_iter"] > 10 and 0 < k["busy_ms_per_iter"] <= k["span_ms_per_iter"]
     ranges = k["range_category_ms_per_iter"]
     # with the fused linear cross-entropy (on in this config) the loss is computed inside the forward: what is
