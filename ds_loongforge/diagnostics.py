@@ -206,8 +206,7 @@ def trace_gaps(trace: dict[str, Any], top: int = 5, threshold_us: float = 50.0,
     device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
-    if launches:  # as kernel_timeline: not the tail of work launched before the recording began
-        device = [e for e in device if e.get("args", {}).get("correlation") in launches]
+    # work launched before the recording began (no launch here) still occupied the GPU: it stays in the scan
     if len(device) < 2:
         return []
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", *_LAUNCH_CATS)]

@@ -267,13 +267,16 @@ def test_kernel_timeline_leaves_out_work_launched_before_the_window():
     assert untracked["kernels_launched_before_window"] is None and untracked["kernels_per_iter"] == 5
 
 
-def test_trace_gaps_leave_out_work_launched_before_the_recording():
+def test_trace_gaps_count_work_launched_before_the_recording_as_busy():
+    """The tail of the step before the recording (its launch not in the trace) kept the GPU busy: no gap there;
+    the idle time after it is reported, with the next activity launched before it (a device-side order)."""
     trace = {"traceEvents": [
-        _x("tail_of_the_step_before", "kernel", 0, 400, correlation=9),    # its launch is not in the trace
-        _x("cudaLaunchKernel", "cuda_runtime", 350, 5, correlation=1),
+        _x("tail_of_the_step_before", "kernel", 0, 400, correlation=9),
+        _x("cudaMemcpyAsync", "cuda_runtime", 10, 5, correlation=1),
         _x("cudaLaunchKernel", "cuda_runtime", 360, 5, correlation=2),
-        _x("first", "kernel", 500, 10, correlation=1),
-        _x("second", "kernel", 700, 10, correlation=2),
+        _x("side_stream_copy", "gpu_memcpy", 20, 10, correlation=1),
+        _x("second", "kernel", 460, 10, correlation=2),
     ]}
     gaps = d.trace_gaps(trace, threshold_us=50)
-    assert [(g["after"], g["before"], g["gap_us"]) for g in gaps] == [("first", "second", 190.0)]
+    assert [(g["after"], g["before"], g["gap_us"], g["launch_after_gap_start_us"]) for g in gaps] == [
+        ("tail_of_the_step_before", "second", 60.0, -40.0)]
