@@ -15,6 +15,7 @@ or a host-device sync.
 from __future__ import annotations
 
 import argparse
+import gzip
 import collections
 import re
 import sys
@@ -64,13 +65,14 @@ def markdown(summary: dict, anchor: str, host_ms: float | None) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("raw", help="py-spy record -f raw output")
+    p.add_argument("raw", help="py-spy record -f raw output (.gz: gzipped, as run_gpu.sh keeps it)")
     p.add_argument("--anchor", default="_Session._wrap_forward", help="frame substring the samples must pass")
     p.add_argument("--thread", default="MainThread", help="thread name substring (py-spy --threads)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--host-ms", type=float, default=None, help="host ms per step of the anchored phase")
     args = p.parse_args(argv)
-    with open(args.raw) as f:
+    opener = gzip.open if args.raw.endswith(".gz") else open
+    with opener(args.raw, "rt") as f:
         summary = summarize(f, args.anchor, args.thread, args.top)
     if not summary["samples"]:
         sys.exit(f"no sample of a thread named like {args.thread!r} passes a frame like {args.anchor!r}")

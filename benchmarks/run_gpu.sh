@@ -136,5 +136,7 @@ if has pyspy_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
     -o "$RES/pyspy_$shape.txt" -- python3 launch/train.py --deepspeed_config "$cfg" --model $shape --seq-len 2048 \
     --steps ${LF_PYSPY_STEPS:-100} --data text --timing events --log-every 10 --eval-every 0 --no-progress \
     --use-loongforge --profile
+  # raw stacks of a 40-step run are ~17 MB, over the device's 16 MiB a file: the tar would not come back
+  gzip -f "$RES/pyspy_$shape.txt"; tar -C $RES -cf "$OUT/results.tar" .
 done; fi
 exit 0
