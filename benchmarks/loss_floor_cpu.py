@@ -111,10 +111,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         paths = write_inputs(tmp)
-        log_dir = tmp
         jobs = [(v, s) for s in args.seeds for v in VARIANTS]
-        with ThreadPoolExecutor(args.jobs) as pool:
-            rows = list(pool.map(lambda job: run(*job, args.steps, paths, log_dir), jobs))
+        with ThreadPoolExecutor(args.jobs) as pool:  # logs beside the inputs; a failure raises with its tail
+            rows = list(pool.map(lambda job: run(*job, args.steps, paths, tmp), jobs))
     intro = __doc__.split("\n\n")[1:4]  # why, the variants, the setup
     lines = [f"# Loss drift between implementations of the same math, CPU, {args.steps} steps", "",
              intro[0].replace("\n", " "), "", intro[1], "", intro[2].replace("\n", " "), "",

@@ -15,8 +15,8 @@ or a host-device sync.
 from __future__ import annotations
 
 import argparse
-import gzip
 import collections
+import gzip
 import re
 import sys
 

@@ -67,7 +67,10 @@ def kernel_timeline(prof, iters: int = 1, top: int = 30, gap_threshold_us: float
     per-iteration milliseconds throughout. ``annotations``: the ``record_function`` names whose GPU ranges
     (the profiler's ``gpu_user_annotation`` events) split the time; by default every such name seen. A range's GPU
     span covers the kernels its own thread launched: the backward's, which autograd's device thread launches while
-    the main thread waits in its "backward" range, fall outside every range and are counted under "(none)"."""
+    the main thread waits in its "backward" range, fall outside every range and are counted under "(none)".
+    Kernels whose launch call the profile did not record (work queued before it began) are left out of the
+    counts, busy time and span (``kernels_launched_before_window``), but not of the gap scan: they kept the GPU
+    busy."""
     from torch.autograd import DeviceType
 
     events = list(prof.events())

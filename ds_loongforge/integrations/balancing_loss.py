@@ -14,8 +14,9 @@ probabilities, masked by ``attention_mask`` when one is given; both normalised b
 layers; ``E x sum_e f_e P_e``) with device-side counts only: a ``scatter_add_`` of ones (exact integers in fp32,
 so the same bits in any order) instead of ``histc`` / ``one_hot`` / ``bincount``. Layers whose logits have one
 shape and dtype (every family's) are stacked and each operation runs once for all of them, not once per layer:
-the host issues ~8 launches instead of ~50 at the forward's end, where the GPU waits for them. The gradients are
-the same bits; the value differs from the per-layer loop only in the order of its fp32 probability sums.
+~8 launches instead of ~50 (host time only: in the H200 e2e step the host runs 5-20 ms ahead of the GPU). The
+gradients are the same bits; the value differs from the per-layer loop only in the order of its fp32 probability
+sums.
 
 transformers' forward looks the function up in its modeling module at call time, so the replacement is a
 process-wide patch of that module attribute (like the fused RoPE, ``ds_loongforge.integrations.rope``). It is
@@ -80,10 +81,9 @@ def load_balancing_loss(gate_logits, num_experts: int | None = None, top_k: int 
 def _stacked(logits_LRE: torch.Tensor, num_experts: int, top_k: int, attention_mask: torch.Tensor | None):
     """:func:`load_balancing_loss` of layers of one shape, stacked [L, rows, E]: each operation once for all
     layers (softmax, top-k, one scatter of the counts, one reduction of the probabilities), where the loop issues
-    them per layer. In a Mixtral-style forward the host issues the step's small kernels barely ahead of the GPU,
-    and the loop's ~50 launches for 8 layers came at the forward's end, right before the backward starts. The
-    same math: softmax and top-k act on each row alone and the counts are whole numbers; only the order of the
-    fp32 sums of the probabilities differs (rounding, ~1e-7 relative)."""
+    them per layer (~50 launches for 8 layers). The same math: softmax and top-k act on each row alone and the
+    counts are whole numbers; only the order of the fp32 sums of the probabilities differs (rounding, ~1e-7
+    relative)."""
     layers, rows, _ = logits_LRE.shape
     device = logits_LRE.device
     routing = torch.softmax(logits_LRE, dim=-1)
