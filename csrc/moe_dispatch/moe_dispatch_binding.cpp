@@ -23,6 +23,9 @@ void moe_router_topk_fwd_cuda(const at::Tensor& logits_TE, int64_t k, bool renor
                               const at::Tensor& weights_TK, const at::Tensor& ids_TK);
 void moe_router_topk_bwd_cuda(const at::Tensor& dweights_TK, const at::Tensor& dprobs_TE, const at::Tensor& probs_TE,
                               const at::Tensor& ids_TK, bool renormalize, const at::Tensor& dlogits_TE);
+void moe_topk_counts_cuda(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
+                          const at::Tensor& counts_E);
+#define LF_TOPK_COUNTS moe_topk_counts_cuda
 #define LF_ROUTER_FWD moe_router_topk_fwd_cuda
 #define LF_ROUTER_BWD moe_router_topk_bwd_cuda
 #define LF_SCATTER_ROWS moe_scatter_rows_cuda
@@ -41,6 +44,9 @@ void moe_router_topk_fwd_cpu(const at::Tensor& logits_TE, int64_t k, bool renorm
                              const at::Tensor& weights_TK, const at::Tensor& ids_TK);
 void moe_router_topk_bwd_cpu(const at::Tensor& dweights_TK, const at::Tensor& dprobs_TE, const at::Tensor& probs_TE,
                              const at::Tensor& ids_TK, bool renormalize, const at::Tensor& dlogits_TE);
+void moe_topk_counts_cpu(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
+                         const at::Tensor& counts_E);
+#define LF_TOPK_COUNTS moe_topk_counts_cpu
 #define LF_ROUTER_FWD moe_router_topk_fwd_cpu
 #define LF_ROUTER_BWD moe_router_topk_bwd_cpu
 #define LF_SCATTER_ROWS moe_scatter_rows_cpu
@@ -96,6 +102,14 @@ std::vector<at::Tensor> routing_indices(const at::Tensor& ids_TK, int64_t num_ex
     return {order_P, slot_TK, counts_E, offsets_E};
 }
 
+at::Tensor topk_counts(const at::Tensor& values_RE, int64_t k, const c10::optional<at::Tensor>& weights_R) {
+    check_topk_counts_args(values_RE, k, weights_R, kDispatchDevice);
+    auto counts_E = at::zeros({values_RE.size(1)}, values_RE.options().dtype(at::kLong));
+    const bool weighted = weights_R.has_value() && weights_R->defined();
+    LF_TOPK_COUNTS(values_RE, k, weighted ? *weights_R : at::Tensor(), counts_E);
+    return counts_E;
+}
+
 std::vector<at::Tensor> router_topk_fwd(const at::Tensor& logits_TE, int64_t k, bool renormalize) {
     check_router_logits(logits_TE, k, kDispatchDevice);
     const auto f32 = logits_TE.options().dtype(at::kFloat);
@@ -139,6 +153,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("router_topk_backward", &loongforge::router_topk_bwd, py::arg("dweights_TK"), py::arg("dprobs_TE"),
           py::arg("probs_TE"), py::arg("ids_TK"), py::arg("renormalize"), py::arg("logits_dtype"),
           "dlogits_TE (in logits_dtype) from the gradients of weights_TK and probs_TE (None: zero)");
+    m.def("topk_counts", &loongforge::topk_counts, py::arg("values_RE"), py::arg("k"),
+          py::arg("weights_R") = py::none(),
+          "counts_E[int64]: per column, the weights_R[r % len] (1: None) of the rows r whose k largest values "
+          "(torch.topk's set, ties to the lower column) include it");
     m.def("routing_indices", &loongforge::routing_indices, py::arg("ids_TK"), py::arg("num_experts"),
           "(order_P, slot_TK, counts_E, offsets_E[int32 inclusive cumsum]): the stable sort of the pairs by expert");
 }

@@ -3,6 +3,7 @@
 // tensor must live. Legend: T tokens, K experts per token, P = T*K pairs in expert-major order, H hidden.
 #pragma once
 
+#include <cstring>
 #include <limits>
 
 #include "lf_common.h"
@@ -171,6 +172,53 @@ inline void check_router_bwd_args(const at::Tensor& dweights_TK, const c10::opti
                  op, ": dprobs_TE must be a contiguous float32 tensor like probs_TE ", probs_TE.sizes(), ", got ",
                  dprobs_TE->sizes(), " ", dprobs_TE->scalar_type(), " on ", dprobs_TE->device());
     }
+}
+
+// Top-k choice counts (moe_routing.cu, moe_routing_cpu.cpp): counts_E[e] = sum over rows r whose k largest values
+// (torch.topk's set) include column e of weights_R[r % weights_R.numel()] (1 without weights).
+constexpr int64_t kMaxTopKCountExperts = 4096;  // one int64 shared-memory counter each on CUDA
+
+inline void check_topk_counts_args(const at::Tensor& values_RE, int64_t k, const c10::optional<at::Tensor>& weights_R,
+                                   c10::DeviceType device) {
+    const char* op = "moe_topk_counts";
+    LF_CHECK(values_RE.device().type() == device, op, ": values_RE must be on ", device, ", got a tensor on ",
+             values_RE.device());
+    LF_CHECK_DIM(values_RE, 2);
+    LF_CHECK_CONTIGUOUS(values_RE);
+    check_kernel_dtype(values_RE.scalar_type(), op, "values_RE");
+    const int64_t experts = values_RE.size(1);
+    LF_CHECK(experts >= 1 && experts <= kMaxTopKCountExperts, op, ": ", experts, " columns; the kernels take 1 to ",
+             kMaxTopKCountExperts, " (use topk_counts_reference)");
+    LF_CHECK(k >= 1 && k <= experts, op, ": k = ", k, " must be in [1, ", experts, "] (the number of columns)");
+    if (weights_R.has_value() && weights_R->defined()) {
+        const at::Tensor& w = *weights_R;
+        LF_CHECK(w.device() == values_RE.device(), op, ": weights_R is on ", w.device(), " but values_RE on ",
+                 values_RE.device());
+        LF_CHECK(w.dim() == 1 && w.is_contiguous() && w.scalar_type() == at::kLong, op,
+                 ": weights_R must be a contiguous 1-D int64 tensor, got ", w.scalar_type(), " of shape ", w.sizes());
+        LF_CHECK(w.numel() >= 1 && values_RE.size(0) % w.numel() == 0, op, ": weights_R has ", w.numel(),
+                 " entries, which must divide the ", values_RE.size(0), " rows (row r takes weights_R[r % ",
+                 w.numel(), "])");
+    }
+}
+
+// torch.topk's order of a value (TopKTypeConfig<float>::convert): the IEEE bits made unsigned-monotonic, -0.0
+// below 0.0, every NaN above +inf. Equal keys: the lower column first, as torch.topk's CUDA kernel takes them.
+LF_HOST_DEVICE uint32_t topk_order_key(float v) {
+    uint32_t x;
+#if defined(__CUDA_ARCH__)
+    x = __float_as_uint(v);
+#else
+    std::memcpy(&x, &v, sizeof(x));
+#endif
+    const uint32_t mask = (x & 0x80000000u) ? 0xffffffffu : 0x80000000u;
+    return v == v ? (x ^ mask) : 0xffffffffu;
+}
+
+// A column's rank key among its row: its order key above, the lower column winning a tie. Never 0 (the lowest
+// order key, -inf's, is 0x007fffff) and never ~0 (columns are below 2^31 - 1).
+LF_HOST_DEVICE uint64_t topk_rank_key(float v, int64_t column) {
+    return (static_cast<uint64_t>(topk_order_key(v)) << 32) | static_cast<uint32_t>(0xfffffffeu - column);
 }
 
 }  // namespace loongforge

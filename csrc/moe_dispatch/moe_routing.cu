@@ -1,4 +1,5 @@
-// MoE routing indices on CUDA: the stable counting sort of the P = T*K token-expert pairs by expert.
+// MoE routing indices on CUDA: the stable counting sort of the P = T*K token-expert pairs by expert; and the
+// top-k choice counts of the balancing loss (topk_counts_kernel, at the end).
 // Legend: T tokens, K experts per token, P pairs (pair i = t*K + j is token t's j-th expert), E experts.
 //
 //   slot_TK[i]     = start[e(i)] + #{pairs i' < i with e(i') = e(i)}   (expert-major position of pair i)
@@ -123,6 +124,41 @@ __global__ void __launch_bounds__(32)
     }
 }
 
+// Top-k choice counts, for the Switch load-balancing loss (integrations/balancing_loss.py): thread per row; k
+// rounds each take the largest rank key (topk_rank_key) below the previous round's, so a row's choices are
+// torch.topk's set, ties to the lower column. Block counters in shared memory and one global add per block and
+// column: integer atomics, so the counts do not depend on their order.
+constexpr int kTopKCountThreads = 256;
+constexpr int kTopKCountMaxBlocks = 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(kTopKCountThreads)
+    topk_counts_kernel(const T* __restrict__ values, int64_t rows, int columns, int k,
+                       const int64_t* __restrict__ weights, int64_t period, unsigned long long* __restrict__ counts) {
+    extern __shared__ unsigned long long block_counts[];  // columns
+    for (int e = threadIdx.x; e < columns; e += blockDim.x) block_counts[e] = 0ull;
+    __syncthreads();
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += stride) {
+        const T* row = values + r * columns;
+        const unsigned long long w = weights != nullptr ? static_cast<unsigned long long>(weights[r % period]) : 1ull;
+        uint64_t previous = ~0ull;
+        for (int j = 0; j < k; ++j) {
+            uint64_t best = 0ull;
+            for (int e = 0; e < columns; ++e) {
+                const uint64_t key = topk_rank_key(static_cast<float>(row[e]), e);
+                if (key < previous && key > best) best = key;
+            }
+            atomicAdd(&block_counts[0xfffffffeu - static_cast<uint32_t>(best)], w);
+            previous = best;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < columns; e += blockDim.x) {
+        if (block_counts[e] != 0ull) atomicAdd(&counts[e], block_counts[e]);
+    }
+}
+
 }  // namespace
 
 void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
@@ -148,6 +184,28 @@ void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, con
     routing_rank_kernel<<<blocks, 32, shared, stream>>>(ids, pairs, experts, hist.data_ptr<int>(),
                                                         slot_TK.data_ptr<int64_t>(), order_P.data_ptr<int64_t>());
     LF_CUDA_CHECK_LAUNCH();
+}
+
+void moe_topk_counts_cuda(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
+                          const at::Tensor& counts_E) {
+    const int64_t rows = values_RE.size(0);
+    const int columns = static_cast<int>(values_RE.size(1));
+    const c10::cuda::CUDAGuard guard(values_RE.device());
+    if (rows == 0) return;  // counts_E arrives zeroed
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t wanted = (rows + kTopKCountThreads - 1) / kTopKCountThreads;
+    const int blocks = static_cast<int>(wanted < kTopKCountMaxBlocks ? wanted : kTopKCountMaxBlocks);
+    const size_t shared = static_cast<size_t>(columns) * sizeof(unsigned long long);
+    static_assert(sizeof(unsigned long long) == sizeof(int64_t), "int64 counters");
+    LF_DISPATCH_FLOATING(values_RE.scalar_type(), "moe_topk_counts", [&] {
+        using T = scalar_t;
+        topk_counts_kernel<T><<<blocks, kTopKCountThreads, shared, stream>>>(
+            values_RE.data_ptr<T>(), rows, columns, static_cast<int>(k),
+            weights_R.defined() ? weights_R.data_ptr<int64_t>() : nullptr,
+            weights_R.defined() ? weights_R.numel() : 1,
+            reinterpret_cast<unsigned long long*>(counts_E.data_ptr<int64_t>()));
+        LF_CUDA_CHECK_LAUNCH();
+    });
 }
 
 }  // namespace loongforge

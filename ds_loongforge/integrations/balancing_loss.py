@@ -14,9 +14,11 @@ probabilities, masked by ``attention_mask`` when one is given; both normalised b
 layers; ``E x sum_e f_e P_e``) with device-side counts only: a ``scatter_add_`` of ones (exact integers in fp32,
 so the same bits in any order) instead of ``histc`` / ``one_hot`` / ``bincount``. Layers whose logits have one
 shape and dtype (every family's) are stacked and each operation runs once for all of them, not once per layer:
-~8 launches instead of ~50 (host time only: in the H200 e2e step the host runs 5-20 ms ahead of the GPU). The
-gradients are the same bits; the value differs from the per-layer loop only in the order of its fp32 probability
-sums.
+~8 launches instead of ~50 (host time only: in the H200 e2e step the host runs 5-20 ms ahead of the GPU). On CUDA
+the top-k and the count scatter of the stacked layers are one kernel (ops.moe_dispatch.topk_counts: torch.topk's
+choices, ties included, counted with integer atomics), where torch.topk, its sort and a scatter of float ones
+onto E addresses took ~0.3 ms of the H200 e2e mixtral step. The gradients are the same bits; the value differs
+from the per-layer loop only in the order of its fp32 probability sums.
 
 transformers' forward looks the function up in its modeling module at call time, so the replacement is a
 process-wide patch of that module attribute (like the fused RoPE, ``ds_loongforge.integrations.rope``). It is
@@ -33,6 +35,7 @@ from typing import Callable
 import torch
 
 from ds_loongforge.integrations import _patching
+from ds_loongforge.ops.moe_dispatch import topk_counts
 
 FUNCTION = "load_balancing_loss_func"
 ORIGINAL_ATTR = _patching.ORIGINAL_ATTR  # on the installed function: the one it replaced
@@ -84,23 +87,39 @@ def _stacked(logits_LRE: torch.Tensor, num_experts: int, top_k: int, attention_m
     them per layer (~50 launches for 8 layers). The same math: softmax and top-k act on each row alone and the
     counts are whole numbers; only the order of the fp32 sums of the probabilities differs (rounding, ~1e-7
     relative)."""
-    layers, rows, _ = logits_LRE.shape
+    layers, rows, experts = logits_LRE.shape
     device = logits_LRE.device
     routing = torch.softmax(logits_LRE, dim=-1)
-    _, chosen = torch.topk(routing, top_k, dim=-1)
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    if attention_mask is None:
-        counts.scatter_add_(0, chosen.reshape(-1), torch.ones((), dtype=torch.float32, device=device).expand(
-            chosen.numel()))
+    flat_mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device)
+    if _counts_on_device(routing, num_experts, flat_mask):
+        # torch.topk's choices (its CUDA kernel's, ties included) counted in one kernel: exact integers
+        counts = topk_counts(routing.detach().reshape(-1, experts), top_k,
+                             None if flat_mask is None else flat_mask.long()).float()
+    else:
+        _, chosen = torch.topk(routing, top_k, dim=-1)
+        counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        if flat_mask is None:
+            counts.scatter_add_(0, chosen.reshape(-1), torch.ones((), dtype=torch.float32, device=device).expand(
+                chosen.numel()))
+        else:
+            # one weight per (layer, row, choice), in topk's row-major order
+            counts.scatter_add_(0, chosen.reshape(-1), flat_mask.float().repeat_interleave(top_k).repeat(layers))
+    if flat_mask is None:
         probs = routing.sum(dim=(0, 1), dtype=torch.float32)
         total = layers * rows
     else:
-        flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
-        # one weight per (layer, row, choice), in topk's row-major order
-        counts.scatter_add_(0, chosen.reshape(-1), flat_mask.repeat_interleave(top_k).repeat(layers))
+        flat_mask = flat_mask.float()
         probs = (routing.float() * flat_mask[:, None]).sum(dim=(0, 1))
         total = flat_mask.sum() * layers  # whole numbers: exact
     return torch.sum((counts / total) * (probs / total)) * num_experts
+
+
+def _counts_on_device(routing_LRE: torch.Tensor, num_experts: int, flat_mask: torch.Tensor | None) -> bool:
+    """Whether ops.moe_dispatch.topk_counts counts the choices: on CUDA, where it takes torch.topk's choices
+    (the CPU's torch.topk may break ties otherwise, so the CPU keeps it), with one column per expert and an
+    integer or boolean mask (its weights are int64: a float mask keeps the scatter of float weights)."""
+    return (routing_LRE.is_cuda and routing_LRE.shape[-1] == num_experts
+            and (flat_mask is None or not (flat_mask.dtype.is_floating_point or flat_mask.dtype.is_complex)))
 
 
 def standard_problem(function: Callable) -> str | None:

@@ -189,3 +189,27 @@ def test_no_host_sync_on_cuda(masked):
     expected = ORIGINALS[FAMILY_MODULES[0]](tuple(t.detach().cpu() for t in logits), 8, 2,
                                             None if mask is None else mask.cpu())
     torch.testing.assert_close(loss.detach().cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module_name", FAMILY_MODULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,k", [(8, 2), (64, 8)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_equals_the_family_function_on_cuda(module_name, dtype, experts, k, masked):
+    """On CUDA the choices are counted by ops.moe_dispatch.topk_counts: torch.topk's own choices, so the gradients
+    stay the family function's bits on the same device, bf16 ties included (Mixtral's e2e shape)."""
+    torch.manual_seed(experts + k)
+    logits = tuple(torch.randn(4 * 2048, experts, device="cuda", dtype=torch.float64).to(dtype).requires_grad_()
+                   for _ in range(8))
+    mask = None
+    if masked:
+        mask = torch.ones(4, 2048, dtype=torch.long, device="cuda")
+        mask[1, 1000:] = 0
+    theirs = ORIGINALS[module_name](logits, experts, k, mask)
+    grads_theirs = torch.autograd.grad(theirs, logits)
+    ours = bl.load_balancing_loss(logits, experts, k, mask)
+    grads_ours = torch.autograd.grad(ours, logits)
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=0)
+    for a, b in zip(grads_ours, grads_theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -339,3 +339,109 @@ def test_auto_uses_the_kernel_and_fp64_uses_the_reference(impl):
     assert "MoEUnpermute" in type(out_TH.grad_fn).__name__
     torch.testing.assert_close(out_TH, moe_unpermute_reference(x_PH, slot_TK, weights_TK))
     torch.testing.assert_close(x_PH, moe_permute_reference(x_TH.float(), order_P, slot_TK))
+
+
+# --- top-k choice counts (the balancing loss's) -------------------------------------------------------------------
+
+def _torch_topk_counts(values_RE, k, weights_R=None):
+    """What the balancing loss computed before the kernel: torch.topk's choices, their weights scattered."""
+    rows, columns = values_RE.shape
+    chosen = torch.topk(values_RE, k, dim=-1).indices.reshape(-1)
+    w = torch.ones(rows, dtype=torch.int64, device=values_RE.device) if weights_R is None else \
+        weights_R.repeat(rows // weights_R.numel())
+    return torch.zeros(columns, dtype=torch.int64, device=values_RE.device).scatter_add_(0, chosen,
+                                                                                         w.repeat_interleave(k))
+
+
+def _tied_rows(rows, columns, dtype, device, gen):
+    """Values on a coarse grid (many ties in every row), some NaN, +-0.0 and +-inf."""
+    v = torch.randint(-4, 5, (rows, columns), generator=gen).double() / 4
+    v.view(-1)[torch.randperm(v.numel(), generator=gen)[: max(1, v.numel() // 50)]] = float("nan")
+    v.view(-1)[torch.randperm(v.numel(), generator=gen)[: max(1, v.numel() // 50)]] = -0.0
+    v.view(-1)[torch.randperm(v.numel(), generator=gen)[: max(1, v.numel() // 97)]] = float("inf")
+    v.view(-1)[torch.randperm(v.numel(), generator=gen)[: max(1, v.numel() // 89)]] = float("-inf")
+    return v.to(dtype).to(device)
+
+
+TOPK_COUNT_SHAPES = [(0, 8, 2), (1, 1, 1), (7, 5, 5), (1000, 8, 2), (4099, 64, 8), (300, 300, 7), (33, 4096, 3)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,columns,k", TOPK_COUNT_SHAPES)
+def test_topk_counts_equal_the_stable_order_reference(impl, dtype, rows, columns, k):
+    from ds_loongforge.ops.moe_dispatch import topk_counts, topk_counts_reference
+
+    gen = torch.Generator().manual_seed(rows * 7 + columns * 3 + k)
+    values = _tied_rows(rows, columns, dtype, device_of(impl), gen)
+    # one weight per row (an attention mask: 0 and 1, here negative too), and one for every row
+    per_row = torch.randint(-2, 4, (rows,), generator=gen).to(values.device)
+    for w in (None, per_row if rows else None, torch.tensor([3], device=values.device)):
+        got = topk_counts(values, k, w, impl=impl)
+        assert got.dtype == torch.int64 and got.shape == (columns,) and got.device == values.device
+        assert torch.equal(got.cpu(), topk_counts_reference(values.cpu(), k, None if w is None else w.cpu()))
+    # every row counts k choices, each once
+    if rows:
+        assert int(topk_counts(values, k, impl=impl).sum()) == rows * k
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_topk_counts_equal_torch_topk_without_ties(impl):
+    from ds_loongforge.ops.moe_dispatch import topk_counts
+
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(5000, 64, generator=gen, dtype=torch.float64).float().to(device_of(impl))
+    weights = torch.randint(0, 2, (1000,), generator=gen).to(values.device)
+    for k in (1, 2, 8, 64):
+        assert torch.equal(topk_counts(values, k, impl=impl), _torch_topk_counts(values, k))
+        assert torch.equal(topk_counts(values, k, weights, impl=impl), _torch_topk_counts(values, k, weights))
+
+
+def test_topk_order_of_special_values():
+    """NaN above +inf, +0.0 above -0.0 (torch.topk's radix order), equal values to the lower column."""
+    from ds_loongforge.ops.moe_dispatch import topk_counts_reference
+
+    row = torch.tensor([[0.5, float("nan"), -0.0, 0.0, float("inf"), float("-inf"), 0.5]])
+    expected_order = [1, 4, 0, 6, 3, 2, 5]
+    for k in range(1, 8):
+        expected = torch.zeros(7, dtype=torch.int64)
+        expected[expected_order[:k]] = 1
+        assert torch.equal(topk_counts_reference(row, k), expected), k
+        from ds_loongforge.ops.moe_dispatch import topk_counts
+
+        assert torch.equal(topk_counts(row, k, impl="cpu"), expected), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,columns,k", [(65536, 8, 2), (65536, 64, 8), (4099, 5, 3), (300, 300, 7)])
+def test_topk_counts_on_cuda_are_torch_topks_through_ties(dtype, rows, columns, k):
+    """The balancing loss's contract on CUDA: the counts of torch.topk's own choices, ties and NaN included
+    (bf16 softmax probabilities tie often)."""
+    from ds_loongforge.ops.moe_dispatch import topk_counts
+
+    gen = torch.Generator().manual_seed(rows + columns + k)
+    values = _tied_rows(rows, columns, dtype, "cuda", gen)
+    assert torch.equal(topk_counts(values, k, impl="cuda"), _torch_topk_counts(values, k))
+    probs = torch.softmax(torch.randn(rows, columns, generator=gen).to(dtype).cuda(), dim=-1)  # bf16: ties
+    weights = torch.randint(0, 2, (rows,), generator=gen).cuda()
+    assert torch.equal(topk_counts(probs, k, weights, impl="cuda"), _torch_topk_counts(probs, k, weights))
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+def test_topk_counts_bad_input_is_a_clear_error(impl):
+    from ds_loongforge.ops.moe_dispatch import topk_counts
+
+    device = device_of(impl)
+    v = torch.randn(6, 4, device=device)
+    with pytest.raises(ValueError, match=r"k = 5 must be between 1 and the number of columns \(4\)"):
+        topk_counts(v, 5, impl=impl)
+    with pytest.raises(ValueError, match=r"values_RE must be \[rows, columns\], got shape \(6, 4, 1\)"):
+        topk_counts(v[..., None], 1, impl=impl)
+    with pytest.raises(ValueError, match="weights_R has 4 entries, which must divide the 6 rows"):
+        topk_counts(v, 2, torch.ones(4, dtype=torch.int64, device=device), impl=impl)
+    with pytest.raises(ValueError, match="weights_R must be a 1-D int64 tensor, got torch.float32"):
+        topk_counts(v, 2, torch.ones(6, device=device), impl=impl)
+    if impl != "reference":
+        with pytest.raises(RuntimeError, match="moe_topk_counts: values_RE must be float32, float16 or bfloat16"):
+            topk_counts(v.double(), 2, impl=impl)
