@@ -8,7 +8,8 @@
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
 # build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
-# 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480).
+# 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
+# "tests" step (default: all of tests/).
 set -uo pipefail
 OUT=${OUT:-/tmp/lf_out}
 mkdir -p "$OUT"
@@ -86,7 +87,7 @@ step build_ops python3 /tmp/lf_build_all.py
 fi
 
 has verify && python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
-has tests && python3 -m pytest tests -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+has tests && python3 -m pytest ${LF_TESTS:-tests} -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
 if has bench_ops; then
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
 python3 -m benchmarks.profile_ops 2>&1 | grep -v Warning > "$OUT/profile.log"; tail -22 "$OUT/profile.log"
