@@ -48,4 +48,21 @@ inline void check_cross_entropy_args(const at::Tensor& logits, const at::Tensor&
     }
 }
 
+// scale_by: x (fp32/bf16/fp16, contiguous) times scale[0] (a float32 device scalar) into out (x's dtype, shape and
+// device, contiguous; out may be x).
+inline void check_scale_by_args(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
+                                c10::DeviceType device) {
+    LF_CHECK(x.device().type() == device, "scale_by: x must be on ", device, ", got a tensor on ", x.device());
+    LF_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+             "scale_by: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+    LF_CHECK(x.is_contiguous(), "scale_by: x must be contiguous, got strides ", x.strides());
+    LF_CHECK(scale.device() == x.device() && scale.numel() == 1 && scale.scalar_type() == at::kFloat,
+             "scale_by: scale must be a one-element float32 tensor on ", x.device(), ", got ", scale.scalar_type(),
+             " of shape ", scale.sizes(), " on ", scale.device());
+    LF_CHECK(out.device() == x.device() && out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes() &&
+                 out.is_contiguous(),
+             "scale_by: out must be a contiguous ", x.scalar_type(), " tensor of x's shape ", x.sizes(), " on ",
+             x.device(), ", got ", out.scalar_type(), " of shape ", out.sizes(), " on ", out.device());
+}
+
 }  // namespace loongforge

@@ -79,4 +79,18 @@ at::Tensor cross_entropy_cpu(const at::Tensor& logits, const at::Tensor& target,
     return nll;
 }
 
+// scale_by on the CPU: the same fp32 product and single rounding as the CUDA kernel.
+void scale_by_cpu(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out) {
+    const float s = scale.data_ptr<float>()[0];
+    const int64_t n = x.numel();
+    LF_DISPATCH_FLOATING(x.scalar_type(), "scale_by", [&] {
+        using T = scalar_t;
+        const T* src = x.data_ptr<T>();
+        T* dst = out.data_ptr<T>();
+        at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]) * s);
+        });
+    });
+}
+
 }  // namespace loongforge

@@ -40,7 +40,7 @@ import logging
 
 import torch
 
-from ds_loongforge.ops.cross_entropy import accumulation_dtype, softmax_cross_entropy_
+from ds_loongforge.ops.cross_entropy import accumulation_dtype, scale_by, softmax_cross_entropy_
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -132,12 +132,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 def _scaled(x: torch.Tensor, grad_loss: torch.Tensor, in_place: bool) -> torch.Tensor:
     """x times the incoming gradient (a 0-dim fp32/fp64 device tensor), in one pass that multiplies in the scale's
-    dtype and rounds once to x's; ``in_place`` may overwrite x. The scale goes in as a [1, ..., 1] tensor: a 0-dim
-    one takes x's dtype in type promotion, and on CUDA ``x.mul_(grad_loss)`` then rounds it to x's dtype first: an
-    fp16 loss scale of 2^16 became inf (every gradient inf, on the H200) and 1/3 is 0.3340 in bf16 (a 0.2% bias of
-    every gradient). A dimensioned scale makes the op's dtype fp32, and the store casts to x's dtype."""
-    scale = grad_loss.reshape((1,) * x.dim())
-    return x.mul_(scale) if in_place else torch.mul(x, scale, out=torch.empty_like(x))
+    dtype and rounds once to x's; ``in_place`` may overwrite x (ops.cross_entropy.scale_by: one vectorized kernel
+    where torch ran a generic mixed-dtype one; why the scale must not be rounded to x's dtype first is in
+    scale_by_reference)."""
+    return scale_by(x, grad_loss, in_place=in_place)
 
 
 def _weight_gradient(grad_NV: torch.Tensor, h_NH: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:

@@ -288,3 +288,55 @@ def test_cuda_chunk_is_far_faster_than_eager(logits_dtype):
     print(f"C={rows} V={vocab} logits {logits_dtype}: fused {fused * 1e3:.1f} us ({moved / fused / 1e6:.0f} GB/s), "
           f"eager {eager * 1e3:.1f} us")
     assert fused < 0.4 * eager, (fused, eager)
+
+
+# --- scale_by: the LM head backward's scaling by the loss's incoming gradient -----------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [0, 1, 7, 4099, 8192 * 3 + 5])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3, 2.0**16, -0.25])
+def test_scale_by_is_the_fp32_product_rounded_once(impl, dtype, numel, scale):
+    """The same bits as the reference (a float32 product, one rounding to x's dtype), in place and not, at an
+    aligned and a misaligned start; within half an ulp of x's dtype (plus the fp32 product's rounding) of the exact
+    product, inf where fp16 x 2^16 overflows."""
+    from ds_loongforge.ops.cross_entropy import scale_by, scale_by_reference
+
+    device = "cuda" if impl == "cuda" else "cpu"
+    base = (torch.randn(numel + 1, dtype=torch.float64) * 3).to(dtype).to(device)
+    s = torch.tensor(scale, dtype=torch.float32, device=device)
+    for x in (base[:numel].clone(), base[1:]):  # base[1:] starts 2 or 4 bytes past a 16-byte boundary
+        exact = x.double() * float(s)  # the product of two floats is exact in fp64
+        got = scale_by(x, s, impl=impl)
+        assert (got.data_ptr() != x.data_ptr() or numel == 0) and torch.equal(got, scale_by_reference(x, s))
+        finite = torch.isfinite(exact.to(dtype))
+        assert torch.equal(torch.isfinite(got), finite)
+        ulp = torch.finfo(dtype).eps * exact[finite].abs() + torch.finfo(dtype).tiny
+        assert bool(((got[finite].double() - exact[finite]).abs() <= ulp * (0.5 + 2.0**-23)).all())
+        y = x.clone()
+        assert scale_by(y, s, in_place=True, impl=impl).data_ptr() == y.data_ptr()
+        assert torch.equal(y, got)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scale_by_bad_input_is_a_clear_error(impl):
+    from ds_loongforge.ops.cross_entropy import scale_by
+
+    device = "cuda" if impl == "cuda" else "cpu"
+    x = torch.randn(4, 6, device=device)
+    with pytest.raises(RuntimeError, match="scale_by: x must be contiguous"):
+        scale_by(x.t(), torch.tensor(2.0, device=device), impl=impl)
+    with pytest.raises(RuntimeError, match="scale_by: scale must be a one-element float32 tensor"):
+        scale_by(x, torch.tensor(2.0, dtype=torch.float64, device=device), impl=impl)
+    with pytest.raises(RuntimeError, match="scale_by: x must be float32, bfloat16 or float16, got Double"):
+        scale_by(x.double(), torch.tensor(2.0, device=device), impl=impl)
+
+
+def test_scale_by_auto_takes_the_reference_where_the_kernel_does_not_fit():
+    from ds_loongforge.ops.cross_entropy import scale_by, scale_by_reference
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    s = torch.tensor(1 / 3, dtype=torch.float64)
+    assert torch.equal(scale_by(x, s), scale_by_reference(x, s))  # fp64 x and scale
+    xt = torch.randn(6, 4).t()
+    assert torch.equal(scale_by(xt, torch.tensor(0.5)), xt * 0.5)  # strided x
