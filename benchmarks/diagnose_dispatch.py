@@ -1,17 +1,21 @@
-"""How many y rows the unpermute backward should read at once: csrc/moe_dispatch/moe_dispatch.cu built once per
-value of LF_DISPATCH_LOADS_IN_FLIGHT, each timed on the e2e shapes' unpermute backward with weight gradients, next
-to a device copy of the same bytes, in one run.
+"""The MoE dispatch kernels of csrc/moe_dispatch/moe_dispatch.cu built once per variant (preprocessor flags), each
+timed on the e2e shapes' four dispatch ops next to a device copy of the same bytes, in one run.
 
-The kernel walks tokens (a warp per row at H >= 256): per 16-byte vector it reads the token's dout once, writes
-w * dout to each of its K pair rows and adds the pair row's y vector into that pair's dot product. Read one y
-vector at a time, a load is followed by its use before the next is issued, so each warp has one 512-byte read in
-flight (about 65% of copy bandwidth in the 5325e3c e2e profile). Reading n of them first keeps n in flight and
-holds more registers (fewer warps per SM): which n wins is measured here, not guessed.
+Variants (--variants):
+- pipelined (the default build): the gathers (permute backward, unpermute forward) on a persistent grid whose
+  threads read the next token's slots while a token's rows arrive, every row of a token at once;
+- one_token (LF_GATHER_PIPELINED=0): the gathers one token a thread, as before 2026-12-02 (~59% of copy at the
+  mixtral shape's K = 2 on the H200, diagnose_dispatch_d149122);
+- loads1 / loads2 / loads8 (LF_DISPATCH_LOADS_IN_FLIGHT): how many y rows the unpermute backward reads before it
+  uses the first (4 in the default build; one at a time ran at ~65% of copy in the 5325e3c e2e profile).
 
-Bytes moved (the least the op must move): dout [T, H] once, y [P, H] once, dy [P, H] once, dweights [T, K] fp32.
+Bytes moved (the least each op must move): permute forward x [T, H] once, x_PH [P, H] once; permute backward the
+same; unpermute forward y [P, H], out [T, H] (and the residual [T, H]); unpermute backward dout [T, H], y [P, H],
+dy [P, H] once and dweights [T, K] fp32. Every variant must give the same bits (the same sums in the same order).
 
-    python -m benchmarks.diagnose_dispatch [--values 1 2 4 8] [--out results/diagnose_dispatch.json]
+    python -m benchmarks.diagnose_dispatch [--variants pipelined one_token] [--out results/diagnose_dispatch.json]
 """
+
 
 from __future__ import annotations
 
@@ -28,29 +32,31 @@ from ds_loongforge.op_builder import MoEDispatchBuilder, build_ops
 SHAPES = (("mixtral_e2e", 8192, 2048, 8, 2), ("finegrained_e2e", 8192, 2048, 64, 8))
 
 
-class _LoadsBuilder(MoEDispatchBuilder):
-    """The dispatch op compiled with LF_DISPATCH_LOADS_IN_FLIGHT = LOADS, under a name of its own."""
+class _VariantBuilder(MoEDispatchBuilder):
+    """The dispatch op compiled with FLAGS (-D macros), under a name of its own."""
 
-    LOADS = 4
+    FLAGS: dict = {}
 
     def nvcc_args(self):
-        return super().nvcc_args() + [f"-DLF_DISPATCH_LOADS_IN_FLIGHT={self.LOADS}"]
+        return super().nvcc_args() + [f"-D{name}={value}" for name, value in self.FLAGS.items()]
 
 
-# one importable class per value: build_ops compiles each in a spawned process that imports it by name
-VALUES = (1, 2, 4, 8)
-BUILDERS = {n: type(f"Loads{n}Builder", (_LoadsBuilder,), {"NAME": f"lf_moe_dispatch_loads{n}", "LOADS": n,
-                                                            "__module__": __name__}) for n in VALUES}
+VARIANTS = {"pipelined": {}, "one_token": {"LF_GATHER_PIPELINED": 0}, "loads1": {"LF_DISPATCH_LOADS_IN_FLIGHT": 1},
+            "loads2": {"LF_DISPATCH_LOADS_IN_FLIGHT": 2}, "loads8": {"LF_DISPATCH_LOADS_IN_FLIGHT": 8}}
+# one importable class per variant: build_ops compiles each in a spawned process that imports it by name
+BUILDERS = {v: type(f"Dispatch_{v}_Builder", (_VariantBuilder,), {"NAME": f"lf_moe_dispatch_{v}", "FLAGS": flags,
+                                                                  "__module__": __name__})
+            for v, flags in VARIANTS.items()}
 globals().update({cls.__name__: cls for cls in BUILDERS.values()})
 
 
-def build_all(values: list[int]) -> dict:
-    """One build per value, compiled in parallel (build_ops), then loaded from torch's cache."""
-    modules = build_ops([BUILDERS[n]() for n in values])
+def build_all(variants: list[str]) -> dict:
+    """One build per variant, compiled in parallel (build_ops), then loaded from torch's cache."""
+    modules = build_ops([BUILDERS[v]() for v in variants])
     failed = {name: err for name, err in modules.items() if isinstance(err, Exception)}
     if failed:
         raise RuntimeError(f"diagnose_dispatch: builds failed: {failed}")
-    return {n: modules[BUILDERS[n].NAME] for n in values}
+    return {v: modules[BUILDERS[v].NAME] for v in variants}
 
 
 def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):
@@ -63,34 +69,51 @@ def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):
     return dout, y, slot, weights
 
 
+def ops(dout, y, slot, weights, x):
+    """(name, call, bytes moved) of the four dispatch ops on one shape's tensors."""
+    tokens, hidden = dout.shape
+    pairs = y.shape[0]
+    return (
+        ("permute_forward", lambda m: m.permute_forward(x, slot), 2 * (tokens + pairs) * hidden),
+        ("permute_backward", lambda m: m.permute_backward(y, slot), 2 * (pairs + tokens) * hidden),
+        ("unpermute_forward", lambda m: m.unpermute_forward(y, slot, weights, None), 2 * (pairs + tokens) * hidden),
+        ("unpermute_forward_residual", lambda m: m.unpermute_forward(y, slot, weights, x),
+         2 * (pairs + 2 * tokens) * hidden),
+        ("unpermute_backward", lambda m: m.unpermute_backward(dout, y, slot, weights),
+         2 * (tokens * hidden + 2 * pairs * hidden) + 4 * pairs),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--values", type=int, nargs="+", default=list(VALUES), choices=VALUES)
+    parser.add_argument("--variants", nargs="+", default=["pipelined", "one_token"], choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    modules = build_all(args.values)
+    modules = build_all(args.variants)
     timer = Timer(warmup=5, repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)
-    result = {"environment": environment(), "copy_gbps": copy_gbps, "rows": []}
+    result = {"environment": environment(), "copy_gbps": copy_gbps, "variants": {v: VARIANTS[v] for v in args.variants},
+              "rows": []}
     print(f"device copy: {copy_gbps:.0f} GB/s")
     for name, tokens, hidden, experts, top_k in SHAPES:
-        dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, modules[args.values[0]])
-        moved = 2 * (tokens * hidden + 2 * tokens * top_k * hidden) + 4 * tokens * top_k
-        reference = None
-        for n, module in modules.items():
-            dy, dw = module.unpermute_backward(dout, y, slot, weights)
-            if reference is None:
-                reference = (dy, dw)
-            # the same sums in the same order whatever n: the same bits
-            same = torch.equal(dy, reference[0]) and torch.equal(dw, reference[1])
-            ms, p10, p90 = timer(lambda m=module: m.unpermute_backward(dout, y, slot, weights))
-            row = {"shape": name, "loads_in_flight": n, "ms": ms, "p10_ms": p10, "p90_ms": p90,
-                   "gbps": moved / ms / 1e6, "pct_of_copy": 100 * moved / ms / 1e6 / copy_gbps,
-                   "bitwise_equal_to_first": same}
-            result["rows"].append(row)
-            print(f"{name:16s} loads {n}: {ms * 1e3:7.1f} us  {row['gbps']:6.0f} GB/s  {row['pct_of_copy']:5.1f}% "
-                  f"of copy  same bits: {same}", flush=True)
+        dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, modules[args.variants[0]])
+        x = torch.randn_like(dout)
+        for op, call, moved in ops(dout, y, slot, weights, x):
+            reference = None
+            for variant, module in modules.items():
+                out = call(module)
+                out = out if isinstance(out, (list, tuple)) else (out,)
+                if reference is None:
+                    reference = out
+                same = all(torch.equal(a, b) for a, b in zip(out, reference))
+                ms, p10, p90 = timer(lambda m=module: call(m))
+                row = {"shape": name, "op": op, "variant": variant, "ms": ms, "p10_ms": p10, "p90_ms": p90,
+                       "gbps": moved / ms / 1e6, "pct_of_copy": 100 * moved / ms / 1e6 / copy_gbps,
+                       "bitwise_equal_to_first": same}
+                result["rows"].append(row)
+                print(f"{name:16s} {op:27s} {variant:10s} {ms * 1e3:7.1f} us  {row['gbps']:6.0f} GB/s  "
+                      f"{row['pct_of_copy']:5.1f}% of copy  same bits: {same}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

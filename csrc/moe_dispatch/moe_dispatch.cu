@@ -161,6 +161,77 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// The gather with the next token's slots and weights in flight while a token's rows are read (K <= KMAX, built for
+// 2, 4 and 8 so that a K = 2 thread holds two rows' registers, not eight):
+// a persistent grid whose threads walk tokens, every row of a token read at once. In the one-token-a-thread
+// gather above, a thread's row reads wait for its slot reads (an L2 round trip) and it ends after one token, so
+// at K = 2 a thread has two 16-byte reads in flight for half its life: ~59% of copy bandwidth on the H200 at the
+// mixtral e2e shape (diagnose_dispatch_d149122), against ~85% at K = 8. The same sums in the same order: the same
+// bits. LF_GATHER_PIPELINED=0 builds keep the kernel above (benchmarks/diagnose_dispatch.py times both).
+#ifndef LF_GATHER_PIPELINED
+#define LF_GATHER_PIPELINED 1
+#endif
+template <typename T, int V, bool WEIGHTED, bool RESIDUAL, int KMAX>
+__global__ void __launch_bounds__(kThreads)
+    moe_gather_rows_pipelined_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
+                                     const float* __restrict__ weights, const T* __restrict__ residual,
+                                     int64_t res_stride, T* __restrict__ dst, int64_t tokens, int k, int n_vec) {
+    const int64_t hidden = static_cast<int64_t>(n_vec) * V;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+    int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+    int64_t next_row[KMAX];
+    float next_w[KMAX];
+#pragma unroll
+    for (int j = 0; j < KMAX; ++j) {
+        const bool has = t < tokens && j < k;
+        next_row[j] = has ? slot[t * k + j] : 0;
+        next_w[j] = (WEIGHTED && has) ? weights[t * k + j] : 1.f;
+    }
+    for (; t < tokens; t += stride) {
+        int64_t row[KMAX];
+        float w[KMAX];
+#pragma unroll
+        for (int j = 0; j < KMAX; ++j) {
+            row[j] = next_row[j];
+            w[j] = next_w[j];
+        }
+        const int64_t tn = t + stride;
+#pragma unroll
+        for (int j = 0; j < KMAX; ++j) {  // the next token's indices: read while this token's rows arrive
+            const bool has = tn < tokens && j < k;
+            next_row[j] = has ? slot[tn * k + j] : 0;
+            next_w[j] = (WEIGHTED && has) ? weights[tn * k + j] : 1.f;
+        }
+        for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
+            Vec<T, V> v[KMAX];
+#pragma unroll
+            for (int j = 0; j < KMAX; ++j) {
+                if (j < k) v[j] = load_vec<T, V>(src + row[j] * src_stride + c * V);
+            }
+            float acc[V];
+            if constexpr (RESIDUAL) {
+                const Vec<T, V> rv = load_vec<T, V>(residual + t * res_stride + c * V);
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = 0.f;
+            }
+#pragma unroll
+            for (int j = 0; j < KMAX; ++j) {
+                if (j < k) {
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[e] = fmaf(w[j], static_cast<float>(v[j].val[e]), acc[e]);
+                }
+            }
+            Vec<T, V> out;
+#pragma unroll
+            for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
+            store_vec<T, V>(dst + t * hidden + c * V, out);
+        }
+    }
+}
+
 struct TokenLaunch {
     dim3 grid, block;
 };
@@ -252,9 +323,23 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
             const int n_vec = static_cast<int>(hidden / V);
             const TokenLaunch l = plan_token_launch(tokens, n_vec);
             auto launch = [&]<bool WEIGHTED, bool RESIDUAL>() {
-                moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
-                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
-                    res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
+                auto pipelined = [&]<int KMAX>() {  // a persistent grid: the resident blocks, each walking tokens
+                    auto kernel = moe_gather_rows_pipelined_kernel<T, V, WEIGHTED, RESIDUAL, KMAX>;
+                    const int64_t resident =
+                        static_cast<int64_t>(lf_sm_count()) * std::max(1, lf_max_blocks_per_sm(kernel, kThreads));
+                    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(l.grid.x, resident)));
+                    kernel<<<grid, l.block, 0, stream>>>(src_PH.data_ptr<T>(), src_PH.stride(0),
+                                                         slot_TK.data_ptr<int64_t>(), weights, residual, res_stride,
+                                                         dst_TH.data_ptr<T>(), tokens, k, n_vec);
+                };
+                if (LF_GATHER_PIPELINED && k <= 2) pipelined.template operator()<2>();
+                else if (LF_GATHER_PIPELINED && k <= 4) pipelined.template operator()<4>();
+                else if (LF_GATHER_PIPELINED && k <= 8) pipelined.template operator()<8>();
+                else {
+                    moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
+                        src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
+                        res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
+                }
             };
             // the combinations the ops use: permute backward (a plain sum), unpermute forward with or without
             // the residual
