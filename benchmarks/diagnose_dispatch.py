@@ -2,10 +2,11 @@
 timed on the e2e shapes' four dispatch ops next to a device copy of the same bytes, in one run.
 
 Variants (--variants):
-- pipelined (the default build): the gathers (permute backward, unpermute forward) on a persistent grid whose
-  threads read the next token's slots while a token's rows arrive, every row of a token at once;
-- one_token (LF_GATHER_PIPELINED=0): the gathers one token a thread, as before 2026-12-02 (~59% of copy at the
-  mixtral shape's K = 2 on the H200, diagnose_dispatch_d149122);
+- pipelined (the default build): at 401c695 the gathers (permute backward, unpermute forward) ran on a persistent
+  grid whose threads read the next token's slots while a token's rows arrive, every row of a token at once; since
+  the H200 run of that (diagnose_dispatch_401c695) only the unpermute forward with the residual at K <= 2 does;
+- one_token (LF_GATHER_PIPELINED=0): the gathers one token a thread everywhere, as before 401c695 (~59% of copy
+  at the mixtral shape's K = 2 on the H200, diagnose_dispatch_d149122);
 - loads1 / loads2 / loads8 (LF_DISPATCH_LOADS_IN_FLIGHT): how many y rows the unpermute backward reads before it
   uses the first (4 in the default build; one at a time ran at ~65% of copy in the 5325e3c e2e profile).
 

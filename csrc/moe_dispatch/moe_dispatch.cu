@@ -161,13 +161,12 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// The gather with the next token's slots and weights in flight while a token's rows are read (K <= KMAX, built for
-// 2, 4 and 8 so that a K = 2 thread holds two rows' registers, not eight):
-// a persistent grid whose threads walk tokens, every row of a token read at once. In the one-token-a-thread
-// gather above, a thread's row reads wait for its slot reads (an L2 round trip) and it ends after one token, so
-// at K = 2 a thread has two 16-byte reads in flight for half its life: ~59% of copy bandwidth on the H200 at the
-// mixtral e2e shape (diagnose_dispatch_d149122), against ~85% at K = 8. The same sums in the same order: the same
-// bits. LF_GATHER_PIPELINED=0 builds keep the kernel above (benchmarks/diagnose_dispatch.py times both).
+// The gather with the next token's slots and weights in flight while a token's rows are read (K <= KMAX): a
+// persistent grid whose threads walk tokens, every row of a token and the residual read at once. In the
+// one-token-a-thread gather above, a thread's row reads wait for its slot reads (an L2 round trip) and it ends
+// after one token. The same sums in the same order: the same bits. Where it is used, and where the H200 measured
+// it slower, is in moe_gather_rows_cuda; LF_GATHER_PIPELINED=0 builds use the kernel above everywhere
+// (benchmarks/diagnose_dispatch.py times both).
 #ifndef LF_GATHER_PIPELINED
 #define LF_GATHER_PIPELINED 1
 #endif
@@ -332,14 +331,15 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
                                                          slot_TK.data_ptr<int64_t>(), weights, residual, res_stride,
                                                          dst_TH.data_ptr<T>(), tokens, k, n_vec);
                 };
-                if (LF_GATHER_PIPELINED && k <= 2) pipelined.template operator()<2>();
-                else if (LF_GATHER_PIPELINED && k <= 4) pipelined.template operator()<4>();
-                else if (LF_GATHER_PIPELINED && k <= 8) pipelined.template operator()<8>();
-                else {
-                    moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
-                        src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
-                        res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
+                // measured on the H200 (diagnose_dispatch_401c695): the pipelined gather wins only with the
+                // residual at K <= 2 (mixtral e2e: 42.2 against 57.7 us); without the residual it lost (55.5 against
+                // 39.7 us), and at K = 8 with the residual too (103.5 against 95.8 us). K = 3..4 is unmeasured.
+                if constexpr (RESIDUAL && LF_GATHER_PIPELINED) {
+                    if (k <= 2) return pipelined.template operator()<2>();
                 }
+                moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
+                    src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
+                    res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
             };
             // the combinations the ops use: permute backward (a plain sum), unpermute forward with or without
             // the residual

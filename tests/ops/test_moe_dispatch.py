@@ -27,8 +27,8 @@ SHAPES = [  # (T, H, K, E); random_routing leaves the last quarter of the expert
     pytest.param(1000, 3, 8, 1, id="one_expert"),         # every pair on expert 0: order is the identity
     pytest.param(1000, 2880, 2, 4, id="t1000_h2880"),     # the largest case here, P = 2000 rows
     pytest.param(16, 7168, 8, 64, id="h7168"),            # DeepSeek-V3 hidden size
-    pytest.param(300, 64, 3, 8, id="k3"),                 # the gathers' K <= 4 build, one slot unused
-    pytest.param(40, 136, 16, 32, id="k16"),              # K above the pipelined gathers' 8: one token a thread
+    pytest.param(300, 64, 3, 8, id="k3"),                 # K = 3: past the pipelined gather's K <= 2
+    pytest.param(40, 136, 16, 32, id="k16"),              # K above the scatter's pair chunk of 8
 ]
 
 
