@@ -113,6 +113,27 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// A gather's fp32 sum of one vector: started from the residual row (RESIDUAL) or 0, rounded once at the store.
+template <typename T, int V, bool RESIDUAL>
+__device__ __forceinline__ void start_sum(float (&acc)[V], const T* residual, int64_t offset) {
+    if constexpr (RESIDUAL) {
+        const Vec<T, V> rv = load_vec<T, V>(residual + offset);  // no arithmetic on the null pointer otherwise
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = 0.f;
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_sum(T* dst_vec, const float (&acc)[V]) {
+    Vec<T, V> out;
+#pragma unroll
+    for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
+    store_vec<T, V>(dst_vec, out);
+}
+
 // The gather reads the rows of kLoadsInFlight pairs of a token before it adds the first, so that a thread has
 // that many 16-byte reads in flight instead of one dependent load at a time; the sum runs j = 0..K-1 in order in
 // fp32 registers, after the residual when there is one, and is rounded once.
@@ -127,14 +148,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t* slot_t = slot + t * k;
         for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
             float acc[V];
-            if constexpr (RESIDUAL) {
-                const Vec<T, V> rv = load_vec<T, V>(residual + t * res_stride + c * V);
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] = 0.f;
-            }
+            start_sum<T, V, RESIDUAL>(acc, residual, t * res_stride + c * V);
             for (int j0 = 0; j0 < k; j0 += kLoadsInFlight) {
                 Vec<T, V> v[kLoadsInFlight];
                 float w[kLoadsInFlight];
@@ -153,10 +167,7 @@ __global__ void __launch_bounds__(kThreads)
                     }
                 }
             }
-            Vec<T, V> out;
-#pragma unroll
-            for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
-            store_vec<T, V>(dst + t * hidden + c * V, out);
+            store_sum<T, V>(dst + t * hidden + c * V, acc);
         }
     }
 }
@@ -208,14 +219,7 @@ __global__ void __launch_bounds__(kThreads)
                 if (j < k) v[j] = load_vec<T, V>(src + row[j] * src_stride + c * V);
             }
             float acc[V];
-            if constexpr (RESIDUAL) {
-                const Vec<T, V> rv = load_vec<T, V>(residual + t * res_stride + c * V);
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] = 0.f;
-            }
+            start_sum<T, V, RESIDUAL>(acc, residual, t * res_stride + c * V);
 #pragma unroll
             for (int j = 0; j < KMAX; ++j) {
                 if (j < k) {
@@ -223,10 +227,7 @@ __global__ void __launch_bounds__(kThreads)
                     for (int e = 0; e < V; ++e) acc[e] = fmaf(w[j], static_cast<float>(v[j].val[e]), acc[e]);
                 }
             }
-            Vec<T, V> out;
-#pragma unroll
-            for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
-            store_vec<T, V>(dst + t * hidden + c * V, out);
+            store_sum<T, V>(dst + t * hidden + c * V, acc);
         }
     }
 }

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from ds_loongforge.integrations import _patching
-from ds_loongforge.ops.moe_dispatch import topk_counts
+from ds_loongforge.ops.moe_dispatch import MAX_TOPK_COUNT_COLUMNS, topk_counts
 
 FUNCTION = "load_balancing_loss_func"
 ORIGINAL_ATTR = _patching.ORIGINAL_ATTR  # on the installed function: the one it replaced
@@ -116,9 +116,11 @@ def _stacked(logits_LRE: torch.Tensor, num_experts: int, top_k: int, attention_m
 
 def _counts_on_device(routing_LRE: torch.Tensor, num_experts: int, flat_mask: torch.Tensor | None) -> bool:
     """Whether ops.moe_dispatch.topk_counts counts the choices: on CUDA, where it takes torch.topk's choices
-    (the CPU's torch.topk may break ties otherwise, so the CPU keeps it), with one column per expert and an
-    integer or boolean mask (its weights are int64: a float mask keeps the scatter of float weights)."""
-    return (routing_LRE.is_cuda and routing_LRE.shape[-1] == num_experts
+    (the CPU's torch.topk may break ties otherwise, so the CPU keeps it), for the dtypes and widths its kernel
+    takes, with one column per expert and an integer or boolean mask (its weights are int64: a float mask keeps
+    the scatter of float weights)."""
+    return (routing_LRE.is_cuda and routing_LRE.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and routing_LRE.shape[-1] == num_experts and num_experts <= MAX_TOPK_COUNT_COLUMNS
             and (flat_mask is None or not (flat_mask.dtype.is_floating_point or flat_mask.dtype.is_complex)))
 
 

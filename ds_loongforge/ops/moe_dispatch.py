@@ -127,8 +127,12 @@ MAX_TOPK_COUNT_COLUMNS = 4096  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxTo
 
 
 def topk_order_keys(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys in torch.topk's order of the values (its CUDA kernel's radix order of the fp32 bits): -0.0 below
-    0.0, every NaN above +inf."""
+    """int64 keys in torch.topk's order of the values (its CUDA kernel's radix order of the IEEE bits): -0.0 below
+    0.0, every NaN above +inf. fp16/bf16 values widen to fp32 exactly; fp64 keeps its own 64 bits."""
+    if values.dtype == torch.float64:
+        bits = values.contiguous().view(torch.int64)
+        keys = torch.where(bits < 0, bits ^ 0x7FFFFFFFFFFFFFFF, bits)  # negatives: larger magnitude, smaller key
+        return torch.where(torch.isnan(values), torch.full_like(keys, torch.iinfo(torch.int64).max), keys)
     bits = values.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
     keys = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
     return torch.where(torch.isnan(values), torch.full_like(keys, 0xFFFFFFFF), keys)

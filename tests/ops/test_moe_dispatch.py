@@ -414,6 +414,17 @@ def test_topk_order_of_special_values():
         assert torch.equal(topk_counts(row, k, impl="cpu"), expected), k
 
 
+def test_topk_order_keys_of_fp64_keep_its_precision():
+    """Values equal in fp32 but not in fp64 keep their fp64 order (the reference of fp64 inputs)."""
+    from ds_loongforge.ops.moe_dispatch import topk_counts_reference, topk_order_keys
+
+    v = torch.tensor([[1.0, 1.0 + 2.0**-40, -1.0 - 2.0**-40, -1.0, -0.0, 0.0, float("nan"), float("-inf")]],
+                     dtype=torch.float64)
+    order = torch.sort(topk_order_keys(v), dim=1, descending=True, stable=True).indices.tolist()[0]
+    assert order == [6, 1, 0, 5, 4, 3, 2, 7]
+    assert topk_counts_reference(v, 2).tolist() == [0, 1, 0, 0, 0, 0, 1, 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,columns,k", [(65536, 8, 2), (65536, 64, 8), (4099, 5, 3), (300, 300, 7)])
