@@ -131,20 +131,27 @@ inline void check_routing_args(const at::Tensor& ids_TK, int64_t num_experts, c1
              " (one shared-memory counter each); use routing_indices_reference");
 }
 
+// A [rows, columns] score matrix a CUDA/CPU kernel reads row by row (the router's logits, the balancing loss's
+// probabilities): on `device`, 2-D, contiguous, a kernel dtype, 1 to max_columns columns (`noun` names them in
+// the message, `fallback` is the reference to use beyond).
+inline void check_score_matrix(const at::Tensor& t, const char* op, const char* name, const char* noun,
+                               int64_t max_columns, const char* fallback, c10::DeviceType device) {
+    LF_CHECK(t.device().type() == device, op, ": ", name, " must be on ", device, ", got a tensor on ", t.device());
+    LF_CHECK_DIM(t, 2);
+    LF_CHECK_CONTIGUOUS(t);
+    check_kernel_dtype(t.scalar_type(), op, name);
+    LF_CHECK(t.size(1) >= 1 && t.size(1) <= max_columns, op, ": ", t.size(1), " ", noun, "; the kernels take 1 to ",
+             max_columns, " (use ", fallback, ")");
+}
+
 // Router top-k (moe_router.cu, moe_router_cpu.cpp): a warp per token, lane j holding the j-th choice.
 constexpr int64_t kMaxRouterExperts = 1024;  // 32 values per lane
 constexpr int64_t kMaxRouterTopK = 32;       // one choice per lane
 
 inline void check_router_logits(const at::Tensor& logits_TE, int64_t k, c10::DeviceType device) {
     const char* op = "moe_router_topk";
-    LF_CHECK(logits_TE.device().type() == device, op, ": logits_TE must be on ", device, ", got a tensor on ",
-             logits_TE.device());
-    LF_CHECK_DIM(logits_TE, 2);
-    LF_CHECK_CONTIGUOUS(logits_TE);
-    check_kernel_dtype(logits_TE.scalar_type(), op, "logits_TE");
+    check_score_matrix(logits_TE, op, "logits_TE", "experts", kMaxRouterExperts, "router_topk_reference", device);
     const int64_t experts = logits_TE.size(1);
-    LF_CHECK(experts >= 1 && experts <= kMaxRouterExperts, op, ": ", experts, " experts; the kernels take 1 to ",
-             kMaxRouterExperts, " (use router_topk_reference)");
     LF_CHECK(k >= 1 && k <= experts && k <= kMaxRouterTopK, op, ": k = ", k, " must be in [1, min(E, ",
              kMaxRouterTopK, ")] with E = ", experts, " (use router_topk_reference above ", kMaxRouterTopK, ")");
 }
@@ -181,14 +188,8 @@ constexpr int64_t kMaxTopKCountExperts = 4096;  // one int64 shared-memory count
 inline void check_topk_counts_args(const at::Tensor& values_RE, int64_t k, const c10::optional<at::Tensor>& weights_R,
                                    c10::DeviceType device) {
     const char* op = "moe_topk_counts";
-    LF_CHECK(values_RE.device().type() == device, op, ": values_RE must be on ", device, ", got a tensor on ",
-             values_RE.device());
-    LF_CHECK_DIM(values_RE, 2);
-    LF_CHECK_CONTIGUOUS(values_RE);
-    check_kernel_dtype(values_RE.scalar_type(), op, "values_RE");
+    check_score_matrix(values_RE, op, "values_RE", "columns", kMaxTopKCountExperts, "topk_counts_reference", device);
     const int64_t experts = values_RE.size(1);
-    LF_CHECK(experts >= 1 && experts <= kMaxTopKCountExperts, op, ": ", experts, " columns; the kernels take 1 to ",
-             kMaxTopKCountExperts, " (use topk_counts_reference)");
     LF_CHECK(k >= 1 && k <= experts, op, ": k = ", k, " must be in [1, ", experts, "] (the number of columns)");
     if (weights_R.has_value() && weights_R->defined()) {
         const at::Tensor& w = *weights_R;

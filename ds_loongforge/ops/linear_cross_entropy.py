@@ -124,18 +124,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden = grad_weight = None
         with torch.autocast(h_NH.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                grad_hidden = _scaled(torch.mm(grad_NV, w_VH), grad_loss, in_place=True).to(hidden_dtype)
+                grad_hidden = scale_by(torch.mm(grad_NV, w_VH), grad_loss, in_place=True).to(hidden_dtype)
             if ctx.needs_input_grad[1]:
                 grad_weight = _weight_gradient(grad_NV, h_NH, grad_loss).to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
-
-
-def _scaled(x: torch.Tensor, grad_loss: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """x times the incoming gradient (a 0-dim fp32/fp64 device tensor), in one pass that multiplies in the scale's
-    dtype and rounds once to x's; ``in_place`` may overwrite x (ops.cross_entropy.scale_by: one vectorized kernel
-    where torch ran a generic mixed-dtype one; why the scale must not be rounded to x's dtype first is in
-    scale_by_reference)."""
-    return scale_by(x, grad_loss, in_place=in_place)
 
 
 def _weight_gradient(grad_NV: torch.Tensor, h_NH: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
@@ -144,8 +136,8 @@ def _weight_gradient(grad_NV: torch.Tensor, h_NH: torch.Tensor, grad_loss: torch
     multiplied by a device scalar). For a power-of-two scale (1, 1/GAS, a loss scale) both orders give the same bits.
     fp16 scales the product: h times a loss scale of 2^16 would overflow where the scaled gradient does not."""
     if h_NH.dtype != torch.float16 and h_NH.shape[0] < grad_NV.shape[1]:
-        return torch.mm(grad_NV.t(), _scaled(h_NH, grad_loss, in_place=False))
-    return _scaled(torch.mm(grad_NV.t(), h_NH), grad_loss, in_place=True)
+        return torch.mm(grad_NV.t(), scale_by(h_NH, grad_loss))
+    return scale_by(torch.mm(grad_NV.t(), h_NH), grad_loss, in_place=True)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

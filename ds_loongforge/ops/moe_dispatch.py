@@ -159,7 +159,7 @@ def topk_counts_reference(values_RE: torch.Tensor, k: int, weights_R: torch.Tens
     rows, columns = values_RE.shape
     chosen_RK = torch.sort(topk_order_keys(values_RE), dim=1, descending=True, stable=True).indices[:, :k]
     weight_R = (torch.ones(rows, dtype=torch.int64, device=values_RE.device) if weights_R is None
-                else weights_R.to(values_RE.device).repeat(rows // max(weights_R.numel(), 1)))
+                else weights_R.to(values_RE.device).repeat(rows // weights_R.numel()))
     counts_E = torch.zeros(columns, dtype=torch.int64, device=values_RE.device)
     return counts_E.scatter_add_(0, chosen_RK.reshape(-1), weight_R.repeat_interleave(k))
 
