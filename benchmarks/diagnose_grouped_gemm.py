@@ -13,7 +13,14 @@ each three ways, interleaved round by round so that clocks and power are the sam
 
 Then the six back to back (the layer's GEMM chain) each way, and the SM clock read through NVML after each row's rounds.
 
-    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR]
+``--host-cost``: the host side of the same choice. A per-expert loop issued from Python cost far more host time
+than its GEMMs saved on the device (6323049: +28 ms of backward host time for 256 GEMMs a step, ~110 us each).
+Python's own overhead is ~10 us a call, so the question is whether cuBLAS pays for a heuristic query whenever a
+GEMM's M or K is new, which with fresh routing is every step. The layer's four backward products per-expert
+with fresh group sizes every round (a skewed Dirichlet draw, max/mean ~2-4 as in the e2e logs), with the same
+sizes every round, and grouped; host time to issue a round (perf_counter) and device time (CUDA events).
+
+    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR] [--host-cost]
 """
 
 from __future__ import annotations
@@ -124,13 +131,87 @@ def time_interleaved(fns: dict, rounds: int) -> dict:
     return out
 
 
+def skewed_sizes(pairs: int, experts: int, gen: torch.Generator, concentration: float = 1.0) -> list[int]:
+    """Group sizes summing to ``pairs`` from a Dirichlet draw (gamma samples normalised), none below 1."""
+    g = torch._standard_gamma(torch.full((experts,), concentration, dtype=torch.float64), generator=gen)
+    sizes = (g / g.sum() * (pairs - experts)).floor().long() + 1
+    sizes[0] += pairs - int(sizes.sum())
+    return sizes.tolist()
+
+
+def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rounds: int) -> dict:
+    """Host us per round and device ms per round of the layer's four backward products, three ways."""
+    pairs = tokens * top_k
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    x, act = torch.randn(pairs, hidden, **kw), torch.randn(pairs, inter, **kw)
+    d_out, d_gu = torch.randn(pairs, hidden, **kw), torch.randn(pairs, 2 * inter, **kw)
+    w_gu = torch.randn(experts, 2 * inter, hidden, **kw) / hidden ** 0.5
+    w_dn = torch.randn(experts, hidden, inter, **kw) / inter ** 0.5
+    dx_gu, dx_dn = torch.empty_like(x), torch.empty_like(act)
+    dw_gu, dw_dn = x.new_empty(experts, hidden, 2 * inter), x.new_empty(experts, inter, hidden)
+    gen = torch.Generator().manual_seed(0)
+    fresh = [skewed_sizes(pairs, experts, gen) for _ in range(rounds + 3)]
+    fixed = [fresh[0]] * (rounds + 3)
+
+    def loop(sizes):
+        s = 0
+        for e, n in enumerate(sizes):
+            r = slice(s, s + n)
+            torch.mm(d_gu[r], w_gu[e], out=dx_gu[r])
+            torch.mm(x[r].t(), d_gu[r], out=dw_gu[e])
+            torch.mm(d_out[r], w_dn[e], out=dx_dn[r])
+            torch.mm(act[r].t(), d_out[r], out=dw_dn[e])
+            s += n
+
+    def grouped(sizes):
+        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to("cuda", non_blocking=True)
+        F.grouped_mm(d_gu, w_gu, offs=offs)
+        F.grouped_mm(x.t(), d_gu, offs=offs)
+        F.grouped_mm(d_out, w_dn, offs=offs)
+        F.grouped_mm(act.t(), d_out, offs=offs)
+
+    import time
+    out = {"rounds": rounds, "max_over_mean": [max(s) * experts / pairs for s in fresh[:5]]}
+    for name, fn, plan in (("loop_fresh_sizes", loop, fresh), ("loop_same_sizes", loop, fixed),
+                           ("grouped", grouped, fresh)):
+        for sizes in plan[:3]:
+            fn(sizes)
+        torch.cuda.synchronize()
+        host, dev = [], []
+        for sizes in plan[3:]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000)  # the device busy, so that issue time is host time alone
+            start.record()
+            t = time.perf_counter()
+            fn(sizes)
+            host.append((time.perf_counter() - t) * 1e6)
+            end.record()
+            torch.cuda.synchronize()
+            dev.append(start.elapsed_time(end))
+        host.sort(), dev.sort()
+        out[name] = {"host_us_per_round": host[len(host) // 2], "host_us_per_gemm": host[len(host) // 2] /
+                     (4 * experts if fn is loop else 4), "device_ms_per_round": dev[len(dev) // 2]}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--host-cost", action="store_true", help="host time of the per-expert loop (see above)")
     args = parser.parse_args()
     wanted = args.shapes.split(",")
+    if args.host_cost:
+        report = {"env": environment(), "shapes": {}}
+        for name, *shape in SHAPES:
+            if name in wanted:
+                report["shapes"][name] = host_cost(*shape, rounds=args.rounds)
+                print(name, json.dumps(report["shapes"][name], indent=1), flush=True)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "diagnose_expert_gemm_host.json").write_text(json.dumps(report, indent=1))
+        return
     report = {"env": environment(), "rounds": args.rounds, "shapes": {}}
     lines = []
     for name, tokens, hidden, inter, experts, top_k in SHAPES:

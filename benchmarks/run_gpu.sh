@@ -111,8 +111,8 @@ done; fi
 # the unpermute backward's reads in flight: the dispatch op built once per choice, timed side by side
 has diagnose_dispatch && step diagnose_dispatch python3 -m benchmarks.diagnose_dispatch --out $RES/diagnose_dispatch.json
 # the attention's q/k/v projections: three Linears vs fused_kernels.qkv, fwd + bwd, beside one dense product
-# the MoE layer's six GEMMs: torch's grouped GEMM vs a per-expert cuBLAS loop vs one dense GEMM, interleaved
-has diagnose_grouped_gemm && step diagnose_grouped_gemm python3 -m benchmarks.diagnose_grouped_gemm --out $RES
+# the MoE layer's six GEMMs: torch's grouped GEMM vs a per-expert cuBLAS loop vs one dense GEMM, interleaved; LF_GEMM_ARGS: its options (--host-cost)
+has diagnose_grouped_gemm && step diagnose_grouped_gemm python3 -m benchmarks.diagnose_grouped_gemm --out $RES ${LF_GEMM_ARGS:-}
 has bench_qkv && step bench_qkv env LF_RESULTS_DIR=$RES python3 -m benchmarks.bench_qkv
 # issue 4: the optimizer's GPU tests (also in "tests") and its benchmark
 has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or cuda_build" -p no:cacheprovider
