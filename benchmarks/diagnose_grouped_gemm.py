@@ -164,7 +164,7 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
             s += n
 
     def grouped(sizes):
-        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to("cuda", non_blocking=True)
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to("cuda", non_blocking=True)
         F.grouped_mm(d_gu, w_gu, offs=offs)
         F.grouped_mm(x.t(), d_gu, offs=offs)
         F.grouped_mm(d_out, w_dn, offs=offs)
