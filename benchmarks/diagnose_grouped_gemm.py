@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import Timer, environment
+from ds_loongforge.ops.numerics import skewed_counts
 from ds_loongforge.profiler import nvml_errors
 
 # (name, tokens, hidden, intermediate, experts, top_k)
@@ -131,14 +132,6 @@ def time_interleaved(fns: dict, rounds: int) -> dict:
     return out
 
 
-def skewed_sizes(pairs: int, experts: int, gen: torch.Generator, concentration: float = 1.0) -> list[int]:
-    """Group sizes summing to ``pairs`` from a Dirichlet draw (gamma samples normalised), none below 1."""
-    g = torch._standard_gamma(torch.full((experts,), concentration, dtype=torch.float64), generator=gen)
-    sizes = (g / g.sum() * (pairs - experts)).floor().long() + 1
-    sizes[0] += pairs - int(sizes.sum())
-    return sizes.tolist()
-
-
 def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rounds: int) -> dict:
     """Host us per round and device ms per round of the layer's four backward products, three ways."""
     pairs = tokens * top_k
@@ -150,7 +143,7 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
     dx_gu, dx_dn = torch.empty_like(x), torch.empty_like(act)
     dw_gu, dw_dn = x.new_empty(experts, hidden, 2 * inter), x.new_empty(experts, inter, hidden)
     gen = torch.Generator().manual_seed(0)
-    fresh = [skewed_sizes(pairs, experts, gen) for _ in range(rounds + 3)]
+    fresh = [skewed_counts(pairs, experts, gen) for _ in range(rounds + 3)]
     fixed = [fresh[0]] * (rounds + 3)
 
     def loop(sizes):
@@ -163,6 +156,12 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
             torch.mm(act[r].t(), d_out[r], out=dw_dn[e])
             s += n
 
+    from ds_loongforge.ops.moe_dispatch import expert_gemm_backend, expert_linear_backward
+
+    def ours(sizes):  # expert_linear_backward: the same per-expert GEMMs from one host call per weight
+        expert_linear_backward(d_gu, x, w_gu, sizes)
+        expert_linear_backward(d_out, act, w_dn, sizes)
+
     def grouped(sizes):
         offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to("cuda", non_blocking=True)
         F.grouped_mm(d_gu, w_gu, offs=offs)
@@ -171,9 +170,14 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
         F.grouped_mm(act.t(), d_out, offs=offs)
 
     import time
-    out = {"rounds": rounds, "max_over_mean": [max(s) * experts / pairs for s in fresh[:5]]}
-    for name, fn, plan in (("loop_fresh_sizes", loop, fresh), ("loop_same_sizes", loop, fixed),
-                           ("grouped", grouped, fresh)):
+    out = {"rounds": rounds, "max_over_mean": [max(s) * experts / pairs for s in fresh[:5]],
+           "expert_gemm_backend": expert_gemm_backend("cuda")}
+    plans = [("loop_fresh_sizes", loop, fresh), ("loop_same_sizes", loop, fixed), ("grouped", grouped, fresh),
+             ("expert_linear_backward_fresh_sizes", ours, fresh)]
+    # a second pass of fresh sizes for ours: its first pass asks the heuristic for each new row-count bucket
+    plans.append(("expert_linear_backward_fresh_sizes_warm", ours,
+                  [skewed_counts(pairs, experts, gen) for _ in range(rounds + 3)]))
+    for name, fn, plan in plans:
         for sizes in plan[:3]:
             fn(sizes)
         torch.cuda.synchronize()
@@ -190,7 +194,7 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
             dev.append(start.elapsed_time(end))
         host.sort(), dev.sort()
         out[name] = {"host_us_per_round": host[len(host) // 2], "host_us_per_gemm": host[len(host) // 2] /
-                     (4 * experts if fn is loop else 4), "device_ms_per_round": dev[len(dev) // 2]}
+                     (4 if fn is grouped else 4 * experts), "device_ms_per_round": dev[len(dev) // 2]}
     return out
 
 

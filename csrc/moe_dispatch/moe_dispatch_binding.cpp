@@ -25,6 +25,13 @@ void moe_router_topk_bwd_cuda(const at::Tensor& dweights_TK, const at::Tensor& d
                               const at::Tensor& ids_TK, bool renormalize, const at::Tensor& dlogits_TE);
 void moe_topk_counts_cuda(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
                           const at::Tensor& counts_E);
+const char* expert_gemm_backend_cuda();
+int64_t expert_gemm_workspace_bytes_cuda();
+void expert_gemm_cuda(const at::Tensor& a, const at::Tensor& b, bool wgrad, const at::Tensor& out,
+                      const at::Tensor& workspace);
+#define LF_EXPERT_GEMM expert_gemm_cuda
+#define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cuda
+#define LF_EXPERT_GEMM_WORKSPACE expert_gemm_workspace_bytes_cuda
 #define LF_TOPK_COUNTS moe_topk_counts_cuda
 #define LF_ROUTER_FWD moe_router_topk_fwd_cuda
 #define LF_ROUTER_BWD moe_router_topk_bwd_cuda
@@ -46,6 +53,13 @@ void moe_router_topk_bwd_cpu(const at::Tensor& dweights_TK, const at::Tensor& dp
                              const at::Tensor& ids_TK, bool renormalize, const at::Tensor& dlogits_TE);
 void moe_topk_counts_cpu(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
                          const at::Tensor& counts_E);
+const char* expert_gemm_backend_cpu();
+int64_t expert_gemm_workspace_bytes_cpu();
+void expert_gemm_cpu(const at::Tensor& a, const at::Tensor& b, bool wgrad, const at::Tensor& out,
+                     const at::Tensor& workspace);
+#define LF_EXPERT_GEMM expert_gemm_cpu
+#define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cpu
+#define LF_EXPERT_GEMM_WORKSPACE expert_gemm_workspace_bytes_cpu
 #define LF_TOPK_COUNTS moe_topk_counts_cpu
 #define LF_ROUTER_FWD moe_router_topk_fwd_cpu
 #define LF_ROUTER_BWD moe_router_topk_bwd_cpu
@@ -131,11 +145,40 @@ at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at
     return dlogits_TE;
 }
 
+// The backward of y_PO = x_PI @ w_EOI[e]^T on each expert's rows (expert-major, group sizes on the host): one GEMM
+// per expert and product, all issued from here (one host call for the layer's products).
+//   dx_PI[rows of e] = dy_PO[rows of e] @ w_EOI[e]        dw_EIO[e] = x_PI[rows of e]^T @ dy_PO[rows of e]
+// dw comes in [E, I, O] (the orientation of torch's grouped weight gradient); an expert without rows gets zeros.
+std::vector<at::Tensor> expert_linear_bwd(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
+                                          const std::vector<int64_t>& counts, bool need_dx, bool need_dw) {
+    check_expert_linear_bwd_args(dy_PO, x_PI, w_EOI, counts, kDispatchDevice);
+    at::Tensor dx_PI = need_dx ? at::empty(x_PI.sizes(), x_PI.options()) : at::Tensor();
+    at::Tensor dw_EIO = need_dw ? at::empty({w_EOI.size(0), w_EOI.size(2), w_EOI.size(1)}, w_EOI.options())
+                                : at::Tensor();
+    const int64_t workspace_bytes = LF_EXPERT_GEMM_WORKSPACE();
+    const at::Tensor workspace =
+        workspace_bytes ? at::empty({workspace_bytes}, x_PI.options().dtype(at::kByte)) : at::Tensor();
+    int64_t start = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+        const int64_t n = counts[e];
+        if (n == 0) {
+            if (need_dw) dw_EIO[e].zero_();
+            continue;
+        }
+        const at::Tensor dy = dy_PO.narrow(0, start, n);
+        if (need_dx) LF_EXPERT_GEMM(dy, w_EOI[e], /*wgrad=*/false, dx_PI.narrow(0, start, n), workspace);
+        if (need_dw) LF_EXPERT_GEMM(x_PI.narrow(0, start, n), dy, /*wgrad=*/true, dw_EIO[e], workspace);
+        start += n;
+    }
+    return {dx_PI, dw_EIO};
+}
+
 }  // namespace
 }  // namespace loongforge
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("device") = LF_DEVICE;
+    m.attr("expert_gemm_backend") = loongforge::LF_EXPERT_GEMM_BACKEND();
     m.def("permute_forward", &loongforge::permute_fwd, py::arg("x_TH"), py::arg("slot_TK"),
           "x_PH[slot_TK[t, j]] = x_TH[t]: token rows to expert-major pair rows [T*K, H]");
     m.def("permute_backward", &loongforge::permute_bwd, py::arg("dx_PH"), py::arg("slot_TK"),
@@ -157,6 +200,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("weights_R") = py::none(),
           "counts_E[int64]: per column, the weights_R[r % len] (1: None) of the rows r whose k largest values "
           "(torch.topk's set, ties to the lower column) include it");
+    m.def("expert_linear_backward", &loongforge::expert_linear_bwd, py::arg("dy_PO"), py::arg("x_PI"),
+          py::arg("w_EOI"), py::arg("counts"), py::arg("need_dx"), py::arg("need_dw"),
+          "(dx_PI or None, dw_EIO or None) of y = x_PI @ w_EOI[e]^T per expert's rows (group sizes counts, on the "
+          "host); one GEMM per expert and product, dw in [E, I, O], zeros for experts without rows");
     m.def("routing_indices", &loongforge::routing_indices, py::arg("ids_TK"), py::arg("num_experts"),
           "(order_P, slot_TK, counts_E, offsets_E[int32 inclusive cumsum]): the stable sort of the pairs by expert");
 }

@@ -11,6 +11,10 @@ P = T*K token-expert pairs in expert-major order.
          -> grouped GEMM down [E, H, I]                                             y_PH
          -> fused unpermute kernel: each token gathers its K rows, weighted sum in fp32  out_TH
 
+The backward of both GEMMs runs one cuBLAS GEMM per expert where experts are few and large (at most 16,
+at least 1024 rows each): the group sizes are copied to the host behind the routing in the forward and
+are there long before the backward (_GroupedExpertLinear, ops.moe_dispatch.expert_linear_backward).
+
 Dropless: every token reaches its K experts. Experts that got no tokens form empty groups: they do no
 work and their weight gradients are zeros (never None). The combine gathers instead of scattering with
 atomics, so results are deterministic. Parameter names equal transformers' MixtralSparseMoeBlock
@@ -47,7 +51,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops.moe_dispatch import expert_routing, moe_permute, moe_unpermute, sort_routing_keys
+from ds_loongforge.ops.moe_dispatch import (expert_gemm_backend, expert_linear_backward, expert_routing, moe_permute,
+                                            moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
@@ -219,14 +224,91 @@ def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features:
 
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 
+# The backward of the grouped GEMMs takes one cuBLAS GEMM per expert (expert_linear_backward) where experts are
+# few and large. The layer's four backward products with skewed group sizes (max/mean 1.8-3.6), H200, a811de5's
+# diagnose_grouped_gemm --host-cost: 2.21 vs 2.26 ms grouped at the e2e mixtral shape (8 experts, 16384 rows),
+# 16.5 vs 18.2 ms at bench_moe's mixtral_like; with 64 experts of ~1024 rows the per-expert GEMMs ran at half
+# the grouped rate (ab44d7f). The forward keeps the grouped GEMM: its group sizes are not on the host without a
+# wait that would empty the device's queue.
+PER_EXPERT_BACKWARD_MAX_EXPERTS = 16
+PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT = 1024
+
+
+class HostCounts:
+    """Rows per expert, copied to pinned host memory right behind the routing (no wait in the forward). The
+    backward reads them after waiting on the copy's event: by then it has landed long ago (the copy sits before
+    the rest of the layer's forward, and the backward's host thread runs far behind that point), and where it
+    has not, the wait ends at the copy, so the device's queue beyond it stays full. On the CPU the counts are
+    read directly."""
+
+    def __init__(self, tokens_per_expert_E: torch.Tensor):
+        self._event = None
+        counts = tokens_per_expert_E.detach()
+        if counts.device.type == "cpu":
+            self._host = counts.clone()
+        else:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+class _GroupedExpertLinear(torch.autograd.Function):
+    """``F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)``, whose backward runs one GEMM per expert and
+    product from the host group sizes (expert_linear_backward, one host call) with torch's gradient layouts."""
+
+    @staticmethod
+    def forward(ctx, x_PI, w_EOI, offs_E, host_counts, impl):
+        ctx.save_for_backward(x_PI, w_EOI)
+        ctx.host_counts, ctx.impl = host_counts, impl
+        return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy_PO):
+        x_PI, w_EOI = ctx.saved_tensors
+        dx_PI, dw_EIO = expert_linear_backward(dy_PO, x_PI, w_EOI, ctx.host_counts.get(),
+                                               need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
+                                               impl=ctx.impl)
+        return dx_PI, None if dw_EIO is None else dw_EIO.transpose(1, 2), None, None, None
+
+
+@functools.lru_cache(maxsize=16)
+def _per_expert_gemms_run_well(device_type: str, impl: str) -> bool:
+    """Whether expert_linear_backward's kernel on this device issues per-expert GEMMs cheaply: cuBLASLt on CUDA
+    (torch's cuBLAS path would query a heuristic per new row count), ATen on the CPU (what torch's CPU grouped
+    GEMM runs per group too). The reference (a Python loop) never."""
+    if impl == "reference":
+        return False
+    backend = expert_gemm_backend(device_type, impl)
+    return backend == "cublaslt" or (device_type == "cpu" and backend == "aten")
+
+
+def per_expert_backward_pays(x_PI: torch.Tensor, w_EOI: torch.Tensor, impl: str = "auto") -> bool:
+    """Where the experts' backward takes per-expert GEMMs (see PER_EXPERT_BACKWARD_*): few and large experts, a
+    kernel that issues them cheaply, and no CUDA graph capture (the host counts need a host read)."""
+    experts = w_EOI.shape[0]
+    if experts > PER_EXPERT_BACKWARD_MAX_EXPERTS or x_PI.shape[0] < PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT * experts:
+        return False
+    if x_PI.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return _per_expert_gemms_run_well(x_PI.device.type, impl)
+
 
 def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                   mode: str = "auto", counts: list[int] | None = None,
-                  offs_E: torch.Tensor | None = None) -> torch.Tensor:
+                  offs_E: torch.Tensor | None = None, host_counts: HostCounts | None = None,
+                  impl: str = "auto") -> torch.Tensor:
     """Rows of x_PI grouped by expert (expert-major, group sizes tokens_per_expert_E) times each group's
     w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported), over the group
-    ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given). ``loop``: one GEMM per expert
-    that got tokens, from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
+    ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given); with ``host_counts`` (mode "auto")
+    its backward runs per-expert GEMMs (_GroupedExpertLinear). ``loop``: one GEMM per expert that got tokens,
+    from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
     if mode not in EXPERT_COMPUTE:
         raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {mode!r}")
     if mode == "grouped_mm" and not _grouped_mm_supported(x_PI, w_EOI):
@@ -236,6 +318,8 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
     if mode != "loop" and _grouped_mm_supported(x_PI, w_EOI):
         if offs_E is None:
             offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        if host_counts is not None and mode == "auto":
+            return _GroupedExpertLinear.apply(x_PI, w_EOI, offs_E, host_counts, impl)
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync
@@ -440,9 +524,15 @@ class ExpertMaskedMoE(nn.Module):
                                     else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
         gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
         down = self.experts.down_proj if down is None else down
-        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E)
+        host_counts = None
+        if (not loop and self.expert_compute == "auto" and torch.is_grad_enabled()
+                and per_expert_backward_pays(x_PH, gate_up, self.impl)):
+            host_counts = HostCounts(tokens_per_expert_E)  # for the backward, copied behind the routing
+        gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E,
+                                    host_counts, self.impl)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
-        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E)
+        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, host_counts,
+                             self.impl)
 
     def _use_loop(self, x_PH: torch.Tensor) -> bool:
         if self.expert_compute != "auto":

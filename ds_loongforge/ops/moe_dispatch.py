@@ -186,6 +186,70 @@ def topk_counts(values_RE: torch.Tensor, k: int, weights_R: torch.Tensor | None 
                               None if weights_R is None else weights_R.contiguous())
 
 
+def _check_expert_linear_args(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts) -> None:
+    if dy_PO.dim() != 2 or x_PI.dim() != 2 or w_EOI.dim() != 3:
+        raise ValueError(f"expert_linear_backward: dy_PO [P, O], x_PI [P, I] and w_EOI [E, O, I] expected, got shapes "
+                         f"{tuple(dy_PO.shape)}, {tuple(x_PI.shape)} and {tuple(w_EOI.shape)}")
+    if (dy_PO.shape[0] != x_PI.shape[0] or dy_PO.shape[1] != w_EOI.shape[1] or x_PI.shape[1] != w_EOI.shape[2]):
+        raise ValueError(f"expert_linear_backward: shapes do not agree: dy_PO {tuple(dy_PO.shape)}, x_PI "
+                         f"{tuple(x_PI.shape)}, w_EOI {tuple(w_EOI.shape)} (dy_PO [P, O], x_PI [P, I], w_EOI [E, O, I])")
+    if not dy_PO.dtype == x_PI.dtype == w_EOI.dtype:
+        raise ValueError(f"expert_linear_backward: one dtype for all three, got dy_PO {dy_PO.dtype}, x_PI "
+                         f"{x_PI.dtype}, w_EOI {w_EOI.dtype}")
+    if len(counts) != w_EOI.shape[0] or any(n < 0 for n in counts) or sum(counts) != x_PI.shape[0]:
+        raise ValueError(f"expert_linear_backward: counts must be {w_EOI.shape[0]} group sizes >= 0 summing to the "
+                         f"{x_PI.shape[0]} rows of x_PI, got {list(counts)}")
+
+
+def expert_linear_backward_reference(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
+                                     need_dx: bool = True, need_dw: bool = True):
+    """Plain PyTorch (one torch.mm per expert and product): see :func:`expert_linear_backward`."""
+    _check_expert_linear_args(dy_PO, x_PI, w_EOI, counts)
+    dx_PI = torch.empty_like(x_PI) if need_dx else None
+    dw_EIO = x_PI.new_empty(w_EOI.shape[0], w_EOI.shape[2], w_EOI.shape[1]) if need_dw else None
+    start = 0
+    for e, n in enumerate(counts):
+        rows = slice(start, start + n)
+        if need_dx and n:
+            torch.mm(dy_PO[rows], w_EOI[e], out=dx_PI[rows])
+        if need_dw:
+            torch.mm(x_PI[rows].t(), dy_PO[rows], out=dw_EIO[e])  # no rows: zeros
+        start += n
+    return dx_PI, dw_EIO
+
+
+def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
+    """How :func:`expert_linear_backward` runs its GEMMs on ``device_type``: "cublaslt" (CUDA, an algorithm per
+    problem class chosen once), "aten" (torch's matmul per GEMM: on CUDA a cuBLAS heuristic query whenever a row
+    count is new) or None (no kernel: the reference)."""
+    kernel = kernel_for("expert_linear_backward", _BUILDERS, device_type, impl)
+    return None if kernel is None else kernel.expert_gemm_backend
+
+
+def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
+                           need_dx: bool = True, need_dw: bool = True, impl: str = "auto"):
+    """``(dx_PI, dw_EIO)``, the gradients of ``y_PO = x_PI @ w_EOI[e].T`` on each expert's rows (expert-major,
+    ``counts[e]`` rows for expert e, a host list): ``dx_PI[rows] = dy_PO[rows] @ w_EOI[e]`` and ``dw_EIO[e] =
+    x_PI[rows].T @ dy_PO[rows]`` ([E, I, O], the orientation of torch's grouped weight gradient; zeros for an
+    expert without rows). None for a gradient not asked for.
+
+    One GEMM per expert and product, all issued by one host call: where experts are few and large, cuBLAS's GEMMs
+    of each expert's size ran ~5-10% faster than torch's grouped GEMM, but issued as torch.mm from Python they cost
+    far more host time than they saved (benchmarks/NOTES.md, 6323049; a811de5's --host-cost: a cuBLAS heuristic
+    query for each new row count). On CUDA the op asks cuBLASLt's heuristic once per problem class and row-count
+    bucket (csrc/moe_dispatch/moe_expert_gemm.cpp). fp32 accumulation; split-K sums only in fp32. ``impl`` as in
+    :func:`moe_permute`.
+    """
+    counts = [int(n) for n in counts]
+    _check_expert_linear_args(dy_PO, x_PI, w_EOI, counts)
+    kernel = _kernel("expert_linear_backward", x_PI, impl)
+    if kernel is None:
+        return expert_linear_backward_reference(dy_PO, x_PI, w_EOI, counts, need_dx, need_dw)
+    dx_PI, dw_EIO = kernel.expert_linear_backward(dy_PO.contiguous(), x_PI.contiguous(), w_EOI.contiguous(), counts,
+                                                  bool(need_dx), bool(need_dw))
+    return dx_PI, dw_EIO
+
+
 def routing_indices(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto"):
     """``(order_P, slot_TK, tokens_per_expert_E)`` of :func:`expert_routing`."""
     return tuple(expert_routing(ids_TK, num_experts, impl)[:3])

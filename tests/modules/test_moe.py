@@ -144,6 +144,49 @@ def test_expert_compute_loop_equals_grouped_mm(impl):
     assert empty[0].shape == (0, 16) and all(g is not None and not g.any() for g in empty[1:])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_per_expert_backward_equals_the_grouped_gemms(impl, monkeypatch):
+    """Where experts are few and large the layer's expert backward is expert_linear_backward on host group sizes
+    (copied behind the routing): every gradient equals the grouped GEMMs' (expert_compute="grouped_mm"), idle
+    experts get zeros, and the per-expert op ran for both GEMMs of the layer."""
+    import ds_loongforge.modules.moe as moe_module
+
+    dtype = torch.bfloat16 if impl == "cuda" else torch.float32  # torch's CUDA grouped GEMM is bf16-only
+    moe = ExpertMaskedMoE(32, 48, 8, 2, impl=impl, device=impl, dtype=dtype)
+    with torch.no_grad():
+        moe.gate.weight[6:] = -10.0  # experts 6, 7 idle: x > 0 gives them logits below -3
+    x = torch.rand(300, 32, device=impl, dtype=dtype) + 0.1
+    dy = torch.randn(300, 32, device=impl, dtype=dtype)
+    calls = []
+    real = moe_module.expert_linear_backward
+    monkeypatch.setattr(moe_module, "expert_linear_backward", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    assert not moe_module.per_expert_backward_pays(x.repeat(2, 1), moe.experts.gate_up_proj, impl)  # 600 < 8 x 1024
+    monkeypatch.setattr(moe_module, "PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT", 1)
+    per_expert, names = _run(moe, x, dy)
+    assert len(calls) == 2 and calls[0] == calls[1] == moe.last_routing.tokens_per_expert_E.tolist()
+    assert calls[0][6:] == [0, 0]
+    moe.expert_compute = "grouped_mm"
+    grouped, _ = _run(moe, x, dy)
+    assert len(calls) == 2, "grouped_mm keeps torch's own backward"
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(names, per_expert, grouped):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    for name, g in zip(names, per_expert):
+        if name.startswith("experts."):
+            assert torch.count_nonzero(g[6:]) == 0 and torch.count_nonzero(g[:6]) > 0, name
+    monkeypatch.setattr(moe_module, "PER_EXPERT_BACKWARD_MAX_EXPERTS", 4)
+    assert not moe_module.per_expert_backward_pays(x, moe.experts.gate_up_proj, impl)  # 8 experts > 4
+
+
+def test_host_counts_are_the_counts_at_the_copy():
+    from ds_loongforge.modules.moe import HostCounts
+
+    counts = torch.tensor([3, 0, 5])
+    host = HostCounts(counts)
+    counts.add_(1)  # later writes to the routing's tensor do not reach the copy
+    assert host.get() == [3, 0, 5]
+
+
 def test_routing_stats_dropless():
     moe = ExpertMaskedMoE(16, 16, 8, 2, impl="cpu")
     moe(torch.randn(4, 25, 16))

@@ -458,3 +458,117 @@ def test_topk_counts_bad_input_is_a_clear_error(impl):
     if impl != "reference":
         with pytest.raises(RuntimeError, match="moe_topk_counts: values_RE must be float32, float16 or bfloat16"):
             topk_counts(v.double(), 2, impl=impl)
+
+
+# expert_linear_backward: (counts, I, O); the per-expert backward GEMMs of the MoE layer
+EXPERT_LINEAR_SHAPES = [
+    pytest.param([0, 0, 0], 16, 8, id="no_rows"),                   # a rank nothing was routed to: dw zeros
+    pytest.param([1], 1, 1, id="one_element"),
+    pytest.param([5, 0, 3, 0], 24, 40, id="empty_experts"),
+    pytest.param([37, 1, 90], 3, 5, id="odd_features"),             # rows of 6/10 bytes: no 16-byte alignment
+    pytest.param([700, 13, 0, 291, 24], 128, 256, id="skewed"),
+    pytest.param([2048], 64, 96, id="one_expert"),
+    pytest.param([1500, 2500, 4096, 100], 256, 512, id="e2e_like"),  # row counts in several buckets
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts,in_features,out_features", EXPERT_LINEAR_SHAPES)
+def test_expert_linear_backward_matches_fp64(impl, dtype, counts, in_features, out_features):
+    from ds_loongforge.ops.numerics import expert_linear_checks
+
+    gen = torch.Generator(device=device_of(impl)).manual_seed(sum(counts) + in_features)
+    assert_checks(expert_linear_checks(counts, in_features, out_features, dtype, device_of(impl), impl, gen))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_linear_backward_gradients_are_grouped_mms_and_only_those_asked(impl):
+    """The op's dx and dw are the gradients autograd gives the grouped GEMM it replaces (F.grouped_mm where this
+    torch has it, else the per-expert product), in torch's [E, I, O] orientation; need_* False gives None."""
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
+
+    device = device_of(impl)
+    counts, I, O = [40, 0, 25, 7], 32, 48
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(sum(counts), I, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(len(counts), O, I, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(sum(counts), O, device=device, dtype=dtype)
+    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        y = torch.nn.functional.grouped_mm(x, w.transpose(1, 2), offs=offs)
+    else:
+        y = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))])
+    want_dx, want_dw = torch.autograd.grad(y, (x, w), dy)
+    dx, dw_EIO = expert_linear_backward(dy, x.detach(), w.detach(), counts, impl=impl)
+    assert dw_EIO.shape == (len(counts), I, O) and dw_EIO.is_contiguous()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, want_dx, **tol)
+    torch.testing.assert_close(dw_EIO.transpose(1, 2), want_dw, **tol)
+    assert torch.count_nonzero(dw_EIO[1]) == 0
+    only_dw = expert_linear_backward(dy, x.detach(), w.detach(), counts, need_dx=False, impl=impl)
+    only_dx = expert_linear_backward(dy, x.detach(), w.detach(), counts, need_dw=False, impl=impl)
+    assert only_dw[0] is None and torch.equal(only_dw[1], dw_EIO)
+    assert only_dx[1] is None and torch.equal(only_dx[0], dx)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_linear_backward_is_bitwise_deterministic(impl):
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
+
+    device = device_of(impl)
+    counts = [333, 0, 1024, 77]
+    dy = torch.randn(sum(counts), 256, device=device).bfloat16()
+    x = torch.randn(sum(counts), 128, device=device).bfloat16()
+    w = torch.randn(4, 256, 128, device=device).bfloat16()
+    first = expert_linear_backward(dy, x, w, counts, impl=impl)
+    for _ in range(3):
+        again = expert_linear_backward(dy, x, w, counts, impl=impl)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_expert_linear_backward_backends():
+    from ds_loongforge.ops.moe_dispatch import expert_gemm_backend
+
+    assert expert_gemm_backend("cpu") == "aten"
+    assert expert_gemm_backend("cpu", impl="reference") is None
+
+
+@pytest.mark.gpu
+def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts():
+    """On the device: the op is built with cuBLASLt, and the algorithm cached for each row-count bucket gives the
+    per-expert torch.mm results (within bf16's 2x rule) for 40 fresh skewed routings of the e2e mixtral shape's
+    down projection (rows in many buckets, the bucket's upper end asked, smaller sizes run), plus unaligned rows."""
+    from ds_loongforge.ops.moe_dispatch import expert_gemm_backend
+    from ds_loongforge.ops.numerics import expert_linear_checks, skewed_counts
+
+    assert expert_gemm_backend("cuda") == "cublaslt"
+    gen = torch.Generator().manual_seed(7)
+    for draw in range(40):
+        counts = skewed_counts(4096 + draw * 97, 8, gen, empty=draw % 3)
+        assert_checks(expert_linear_checks(counts, 512, 256, torch.bfloat16, "cuda", "cuda"))
+    assert_checks(expert_linear_checks([17, 3, 1], 1000, 24, torch.bfloat16, "cuda", "cuda"))  # 8-byte rows
+
+
+@pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
+def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
+
+    device = device_of(impl)
+    dy, x, w = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device), torch.randn(2, 8, 4, device=device)
+    with pytest.raises(ValueError, match=r"counts must be 2 group sizes >= 0 summing to the 6 rows of x_PI, got \[3, 2\]"):
+        expert_linear_backward(dy, x, w, [3, 2], impl=impl)
+    with pytest.raises(ValueError, match=r"counts must be 2 group sizes .* got \[7, -1\]"):
+        expert_linear_backward(dy, x, w, [7, -1], impl=impl)
+    with pytest.raises(ValueError, match=r"shapes do not agree: dy_PO \(6, 8\), x_PI \(6, 4\), w_EOI \(2, 4, 8\)"):
+        expert_linear_backward(dy, x, w.transpose(1, 2), [3, 3], impl=impl)
+    with pytest.raises(ValueError, match="one dtype for all three, got dy_PO torch.float32, x_PI torch.float64"):
+        expert_linear_backward(dy, x.double(), w, [3, 3], impl=impl)
+    if impl != "reference":
+        module = _BUILDERS[device]().load()
+        with pytest.raises(RuntimeError, match="expert_linear_backward: the group sizes sum to 5 but x_PI has 6 rows"):
+            module.expert_linear_backward(dy, x, w, [3, 2], True, True)
+        with pytest.raises(RuntimeError, match="expert_linear_backward: x_PI must be float32, float16 or bfloat16"):
+            module.expert_linear_backward(dy.double(), x.double(), w.double(), [3, 3], True, True)
+        with pytest.raises(RuntimeError, match="expert_linear_backward: dy_PO must be contiguous"):
+            module.expert_linear_backward(torch.randn(8, 6, device=device).t(), x, w, [3, 3], True, True)
