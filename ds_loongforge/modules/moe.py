@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -291,7 +292,10 @@ def _per_expert_gemms_run_well(device_type: str, impl: str) -> bool:
 
 def per_expert_backward_pays(x_PI: torch.Tensor, w_EOI: torch.Tensor, impl: str = "auto") -> bool:
     """Where the experts' backward takes per-expert GEMMs (see PER_EXPERT_BACKWARD_*): few and large experts, a
-    kernel that issues them cheaply, and no CUDA graph capture (the host counts need a host read)."""
+    kernel that issues them cheaply, and no CUDA graph capture (the host counts need a host read).
+    LOONGFORGE_PER_EXPERT_BACKWARD=0 turns it off (torch's grouped GEMMs both ways), for A/B measurements."""
+    if os.environ.get("LOONGFORGE_PER_EXPERT_BACKWARD", "1") == "0":
+        return False
     experts = w_EOI.shape[0]
     if experts > PER_EXPERT_BACKWARD_MAX_EXPERTS or x_PI.shape[0] < PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT * experts:
         return False
