@@ -261,7 +261,8 @@ class HostCounts:
 
 class _GroupedExpertLinear(torch.autograd.Function):
     """``F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)``, whose backward runs one GEMM per expert and
-    product from the host group sizes (expert_linear_backward, one host call) with torch's gradient layouts."""
+    product from the host group sizes (expert_linear_backward, one host call), the weight gradient in the weight's
+    layout as torch's grouped GEMM gives it."""
 
     @staticmethod
     def forward(ctx, x_PI, w_EOI, offs_E, host_counts, impl):
@@ -273,10 +274,10 @@ class _GroupedExpertLinear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_PO):
         x_PI, w_EOI = ctx.saved_tensors
-        dx_PI, dw_EIO = expert_linear_backward(dy_PO, x_PI, w_EOI, ctx.host_counts.get(),
+        dx_PI, dw_EOI = expert_linear_backward(dy_PO, x_PI, w_EOI, ctx.host_counts.get(),
                                                need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
                                                impl=ctx.impl)
-        return dx_PI, None if dw_EIO is None else dw_EIO.transpose(1, 2), None, None, None
+        return dx_PI, dw_EOI, None, None, None
 
 
 @functools.lru_cache(maxsize=16)

@@ -206,16 +206,16 @@ def expert_linear_backward_reference(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_
     """Plain PyTorch (one torch.mm per expert and product): see :func:`expert_linear_backward`."""
     _check_expert_linear_args(dy_PO, x_PI, w_EOI, counts)
     dx_PI = torch.empty_like(x_PI) if need_dx else None
-    dw_EIO = x_PI.new_empty(w_EOI.shape[0], w_EOI.shape[2], w_EOI.shape[1]) if need_dw else None
+    dw_EOI = torch.empty_like(w_EOI) if need_dw else None
     start = 0
     for e, n in enumerate(counts):
         rows = slice(start, start + n)
         if need_dx and n:
             torch.mm(dy_PO[rows], w_EOI[e], out=dx_PI[rows])
         if need_dw:
-            torch.mm(x_PI[rows].t(), dy_PO[rows], out=dw_EIO[e])  # no rows: zeros
+            torch.mm(dy_PO[rows].t(), x_PI[rows], out=dw_EOI[e])  # no rows: zeros
         start += n
-    return dx_PI, dw_EIO
+    return dx_PI, dw_EOI
 
 
 def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
@@ -228,10 +228,10 @@ def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
 
 def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
                            need_dx: bool = True, need_dw: bool = True, impl: str = "auto"):
-    """``(dx_PI, dw_EIO)``, the gradients of ``y_PO = x_PI @ w_EOI[e].T`` on each expert's rows (expert-major,
-    ``counts[e]`` rows for expert e, a host list): ``dx_PI[rows] = dy_PO[rows] @ w_EOI[e]`` and ``dw_EIO[e] =
-    x_PI[rows].T @ dy_PO[rows]`` ([E, I, O], the orientation of torch's grouped weight gradient; zeros for an
-    expert without rows). None for a gradient not asked for.
+    """``(dx_PI, dw_EOI)``, the gradients of ``y_PO = x_PI @ w_EOI[e].T`` on each expert's rows (expert-major,
+    ``counts[e]`` rows for expert e, a host list): ``dx_PI[rows] = dy_PO[rows] @ w_EOI[e]`` and ``dw_EOI[e] =
+    dy_PO[rows].T @ x_PI[rows]`` (the weight's own layout, as torch's grouped GEMM writes it: a transposed one
+    would cost the parameter a strided copy; zeros for an expert without rows). None for a gradient not asked for.
 
     One GEMM per expert and product, all issued by one host call: where experts are few and large, cuBLAS's GEMMs
     of each expert's size ran ~5-10% faster than torch's grouped GEMM, but issued as torch.mm from Python they cost
@@ -245,9 +245,8 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     kernel = _kernel("expert_linear_backward", x_PI, impl)
     if kernel is None:
         return expert_linear_backward_reference(dy_PO, x_PI, w_EOI, counts, need_dx, need_dw)
-    dx_PI, dw_EIO = kernel.expert_linear_backward(dy_PO.contiguous(), x_PI.contiguous(), w_EOI.contiguous(), counts,
-                                                  bool(need_dx), bool(need_dw))
-    return dx_PI, dw_EIO
+    return tuple(kernel.expert_linear_backward(dy_PO.contiguous(), x_PI.contiguous(), w_EOI.contiguous(), counts,
+                                               bool(need_dx), bool(need_dw)))
 
 
 def routing_indices(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto"):

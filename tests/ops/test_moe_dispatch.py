@@ -485,7 +485,7 @@ def test_expert_linear_backward_matches_fp64(impl, dtype, counts, in_features, o
 @pytest.mark.parametrize("impl", IMPLS)
 def test_expert_linear_backward_gradients_are_grouped_mms_and_only_those_asked(impl):
     """The op's dx and dw are the gradients autograd gives the grouped GEMM it replaces (F.grouped_mm where this
-    torch has it, else the per-expert product), in torch's [E, I, O] orientation; need_* False gives None."""
+    torch has it, else the per-expert product), dw in the weight's own layout; need_* False gives None."""
     from ds_loongforge.ops.moe_dispatch import expert_linear_backward
 
     device = device_of(impl)
@@ -500,15 +500,15 @@ def test_expert_linear_backward_gradients_are_grouped_mms_and_only_those_asked(i
     else:
         y = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))])
     want_dx, want_dw = torch.autograd.grad(y, (x, w), dy)
-    dx, dw_EIO = expert_linear_backward(dy, x.detach(), w.detach(), counts, impl=impl)
-    assert dw_EIO.shape == (len(counts), I, O) and dw_EIO.is_contiguous()
+    dx, dw = expert_linear_backward(dy, x.detach(), w.detach(), counts, impl=impl)
+    assert dw.shape == w.shape and dw.is_contiguous()
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, want_dx, **tol)
-    torch.testing.assert_close(dw_EIO.transpose(1, 2), want_dw, **tol)
-    assert torch.count_nonzero(dw_EIO[1]) == 0
+    torch.testing.assert_close(dw, want_dw, **tol)
+    assert torch.count_nonzero(dw[1]) == 0
     only_dw = expert_linear_backward(dy, x.detach(), w.detach(), counts, need_dx=False, impl=impl)
     only_dx = expert_linear_backward(dy, x.detach(), w.detach(), counts, need_dw=False, impl=impl)
-    assert only_dw[0] is None and torch.equal(only_dw[1], dw_EIO)
+    assert only_dw[0] is None and torch.equal(only_dw[1], dw)
     assert only_dx[1] is None and torch.equal(only_dx[0], dx)
 
 
