@@ -26,12 +26,10 @@ void moe_router_topk_bwd_cuda(const at::Tensor& dweights_TK, const at::Tensor& d
 void moe_topk_counts_cuda(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
                           const at::Tensor& counts_E);
 const char* expert_gemm_backend_cuda();
-int64_t expert_gemm_workspace_bytes_cuda();
-void expert_gemm_cuda(const at::Tensor& a, const at::Tensor& b, bool wgrad, const at::Tensor& out,
-                      const at::Tensor& workspace);
-#define LF_EXPERT_GEMM expert_gemm_cuda
+void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
+                            const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI);
+#define LF_EXPERT_LINEAR_BWD expert_linear_bwd_cuda
 #define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cuda
-#define LF_EXPERT_GEMM_WORKSPACE expert_gemm_workspace_bytes_cuda
 #define LF_TOPK_COUNTS moe_topk_counts_cuda
 #define LF_ROUTER_FWD moe_router_topk_fwd_cuda
 #define LF_ROUTER_BWD moe_router_topk_bwd_cuda
@@ -54,12 +52,10 @@ void moe_router_topk_bwd_cpu(const at::Tensor& dweights_TK, const at::Tensor& dp
 void moe_topk_counts_cpu(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
                          const at::Tensor& counts_E);
 const char* expert_gemm_backend_cpu();
-int64_t expert_gemm_workspace_bytes_cpu();
-void expert_gemm_cpu(const at::Tensor& a, const at::Tensor& b, bool wgrad, const at::Tensor& out,
-                     const at::Tensor& workspace);
-#define LF_EXPERT_GEMM expert_gemm_cpu
+void expert_linear_bwd_cpu(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
+                           const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI);
+#define LF_EXPERT_LINEAR_BWD expert_linear_bwd_cpu
 #define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cpu
-#define LF_EXPERT_GEMM_WORKSPACE expert_gemm_workspace_bytes_cpu
 #define LF_TOPK_COUNTS moe_topk_counts_cpu
 #define LF_ROUTER_FWD moe_router_topk_fwd_cpu
 #define LF_ROUTER_BWD moe_router_topk_bwd_cpu
@@ -146,7 +142,7 @@ at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at
 }
 
 // The backward of y_PO = x_PI @ w_EOI[e]^T on each expert's rows (expert-major, group sizes on the host): one GEMM
-// per expert and product, all issued from here (one host call for the layer's products).
+// per expert and product, all issued by one call of the build's loop (moe_expert_gemm.cpp / moe_expert_gemm_cpu.cpp).
 //   dx_PI[rows of e] = dy_PO[rows of e] @ w_EOI[e]        dw_EOI[e] = dy_PO[rows of e]^T @ x_PI[rows of e]
 // dw comes in the weight's own layout, as torch's grouped GEMM writes it (a transposed gradient would cost the
 // parameter a strided copy: 0.68 ms a weight in the e2e mixtral step at 08b2d14); an expert without rows gets zeros.
@@ -155,21 +151,7 @@ std::vector<at::Tensor> expert_linear_bwd(const at::Tensor& dy_PO, const at::Ten
     check_expert_linear_bwd_args(dy_PO, x_PI, w_EOI, counts, kDispatchDevice);
     at::Tensor dx_PI = need_dx ? at::empty(x_PI.sizes(), x_PI.options()) : at::Tensor();
     at::Tensor dw_EOI = need_dw ? at::empty(w_EOI.sizes(), w_EOI.options()) : at::Tensor();
-    const int64_t workspace_bytes = LF_EXPERT_GEMM_WORKSPACE();
-    const at::Tensor workspace =
-        workspace_bytes ? at::empty({workspace_bytes}, x_PI.options().dtype(at::kByte)) : at::Tensor();
-    int64_t start = 0;
-    for (size_t e = 0; e < counts.size(); ++e) {
-        const int64_t n = counts[e];
-        if (n == 0) {
-            if (need_dw) dw_EOI[e].zero_();
-            continue;
-        }
-        const at::Tensor dy = dy_PO.narrow(0, start, n);
-        if (need_dx) LF_EXPERT_GEMM(dy, w_EOI[e], /*wgrad=*/false, dx_PI.narrow(0, start, n), workspace);
-        if (need_dw) LF_EXPERT_GEMM(dy, x_PI.narrow(0, start, n), /*wgrad=*/true, dw_EOI[e], workspace);
-        start += n;
-    }
+    LF_EXPERT_LINEAR_BWD(dy_PO, x_PI, w_EOI, counts, dx_PI, dw_EOI);
     return {dx_PI, dw_EOI};
 }
 

@@ -1,5 +1,5 @@
-// One GEMM of one expert, for the MoE experts' backward on CUDA (the loop over experts is the binding's
-// expert_linear_bwd), through cuBLASLt with the algorithm of each problem class chosen once per process.
+// The MoE experts' backward on CUDA, one GEMM per expert and product (the binding's expert_linear_bwd checks and
+// allocates), through cuBLASLt with the algorithm of each problem class chosen once per process.
 //
 // Why not torch.mm per expert: with fresh routing every step, an expert's row count is new almost every call, and
 // cuBLAS then runs its heuristic again. On the H200 that cost ~380 us of host time a GEMM with fresh group sizes
@@ -19,6 +19,7 @@
 // so A is always b (op N, lda = m) and B is a (op N with ldb = K, or op T with ldb = M); the varying row count is
 // cuBLAS's n for "rows" and its k for "wgrad", never a leading dimension.
 #include <ATen/ops/mm.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -177,12 +178,46 @@ Choice cached_choice(cublasLtHandle_t handle, const Key& key, const Problem& ask
     return cache.emplace(key, choice).first->second;
 }
 
-cublasStatus_t run(cublasLtHandle_t handle, const Problem& p, cudaDataType_t dtype, const Choice& choice,
-                   const void* a_ptr, const void* b_ptr, void* c_ptr, void* workspace, cudaStream_t stream) {
-    Descriptors d(p, dtype);
+// The descriptors of one product class, made once per call of expert_linear_bwd_cuda; each expert's GEMM sets
+// only its row count on them (two layout attributes) instead of making and destroying four descriptors.
+struct Reused {
+    Problem p;
+    Descriptors d;
+    Reused(const Problem& problem, cudaDataType_t dtype) : p(problem), d(problem, dtype) {}
+    void set_rows(bool wgrad, int64_t rows) {
+        const uint64_t r = static_cast<uint64_t>(rows);
+        if (wgrad) {  // cuBLAS's k: A is m x k, B (op T) n x k with ld n
+            p.k = rows;
+            LF_LT_CHECK(cublasLtMatrixLayoutSetAttribute(d.a, CUBLASLT_MATRIX_LAYOUT_COLS, &r, sizeof(r)));
+            LF_LT_CHECK(cublasLtMatrixLayoutSetAttribute(d.b, CUBLASLT_MATRIX_LAYOUT_COLS, &r, sizeof(r)));
+        } else {  // cuBLAS's n: B (op N) k x n with ld k, C m x n
+            p.n = rows;
+            LF_LT_CHECK(cublasLtMatrixLayoutSetAttribute(d.b, CUBLASLT_MATRIX_LAYOUT_COLS, &r, sizeof(r)));
+            LF_LT_CHECK(cublasLtMatrixLayoutSetAttribute(d.c, CUBLASLT_MATRIX_LAYOUT_COLS, &r, sizeof(r)));
+        }
+    }
+};
+
+// One expert's product on raw pointers: A = b, B = a (see the top); false where cuBLASLt has no algorithm for it.
+bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, cudaDataType_t dtype, int device,
+             uint64_t es, const void* a_ptr, const void* b_ptr, void* c_ptr, void* workspace, cudaStream_t stream) {
+    r.set_rows(wgrad, rows);
+    const Problem& p = r.p;
+    Problem asked = p;
+    (wgrad ? asked.k : asked.n) = bucket(rows);
+    const uint32_t align = alignment({reinterpret_cast<uint64_t>(a_ptr), reinterpret_cast<uint64_t>(b_ptr),
+                                      reinterpret_cast<uint64_t>(c_ptr), p.m * es, p.ldb() * es});
     const float one = 1.f, zero = 0.f;
-    return cublasLtMatmul(handle, d.op, &one, a_ptr, d.a, b_ptr, d.b, &zero, c_ptr, d.c, c_ptr, d.c, &choice.algo,
-                          workspace, kWorkspaceBytes, stream);
+    auto run = [&](const Choice& choice) {
+        return choice.found && cublasLtMatmul(handle, r.d.op, &one, b_ptr, r.d.a, a_ptr, r.d.b, &zero, c_ptr, r.d.c,
+                                              c_ptr, r.d.c, &choice.algo, workspace, kWorkspaceBytes,
+                                              stream) == CUBLAS_STATUS_SUCCESS;
+    };
+    const Key key{device, static_cast<int>(dtype), static_cast<int>(p.opb), asked.m, asked.n, asked.k, align, false};
+    if (run(cached_choice(handle, key, asked, dtype, align))) return true;
+    // the bucket's algorithm does not take this size: ask for the exact one (kept under its own key)
+    const Key exact{device, static_cast<int>(dtype), static_cast<int>(p.opb), p.m, p.n, p.k, align, true};
+    return run(cached_choice(handle, exact, p, dtype, align));
 }
 
 }  // namespace
@@ -196,50 +231,66 @@ const char* expert_gemm_backend_cuda() {
 #endif
 }
 
-int64_t expert_gemm_workspace_bytes_cuda() {
+// The experts' backward of y_PO = x_PI @ w_EOI[e]^T (see the binding's expert_linear_bwd): for each expert e with
+// n > 0 rows from row s,  dx_PI[s:s+n] = dy_PO[s:s+n] @ w_EOI[e]  and  dw_EOI[e] = dy_PO[s:s+n]^T @ x_PI[s:s+n];
+// dw_EOI[e] = 0 for an expert without rows. dx_PI / dw_EOI undefined: not computed. Arguments checked by the
+// binding (contiguous, one dtype, one CUDA device, counts summing to P). The loop is here, on raw pointers, so
+// that a GEMM costs the host little more than its cublasLtMatmul (no tensor views, one guard, handle, stream and
+// workspace for all of them).
+void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
+                            const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI) {
+    const c10::cuda::CUDAGuard guard(x_PI.device());
+    const bool need_dx = dx_PI.defined(), need_dw = dw_EOI.defined();
+    const int64_t O = dy_PO.size(1), I = x_PI.size(1);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_PI.get_device()).stream();
 #ifdef LF_WITH_CUBLASLT
-    return kWorkspaceBytes;
-#else
-    return 0;
-#endif
-}
-
-// wgrad = false: out[n, N] = a[n, K] @ b[K, N];  wgrad = true: out[M, N] = a[n, M]^T @ b[n, N].
-// Every tensor contiguous, one dtype, one CUDA device; n >= 1; workspace: expert_gemm_workspace_bytes_cuda() bytes.
-void expert_gemm_cuda(const at::Tensor& a, const at::Tensor& b, bool wgrad, const at::Tensor& out,
-                      const at::Tensor& workspace) {
-#ifdef LF_WITH_CUBLASLT
-    const c10::cuda::CUDAGuard guard(a.device());
-    const int device = a.get_device();
-    const int64_t rows = a.size(0);
-    const Problem p = wgrad ? Problem{CUBLAS_OP_T, b.size(1), a.size(1), rows} : Problem{CUBLAS_OP_N, b.size(1), rows, a.size(1)};
-    Problem asked = p;
-    (wgrad ? asked.k : asked.n) = bucket(rows);
-    const cudaDataType_t dtype = lt_dtype(a.scalar_type());
-    const uint64_t es = a.element_size();
-    const uint32_t align = alignment({reinterpret_cast<uint64_t>(a.data_ptr()), reinterpret_cast<uint64_t>(b.data_ptr()),
-                                      reinterpret_cast<uint64_t>(out.data_ptr()), p.m * es, p.ldb() * es});
+    const int device = x_PI.get_device();
+    const cudaDataType_t dtype = lt_dtype(x_PI.scalar_type());
+    const uint64_t es = x_PI.element_size();
     cublasLtHandle_t handle = lt_handle(device);
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    const Key key{device, static_cast<int>(dtype), static_cast<int>(p.opb), asked.m, asked.n, asked.k, align, false};
-    Choice choice = cached_choice(handle, key, asked, dtype, align);
-    if (choice.found &&
-        run(handle, p, dtype, choice, b.data_ptr(), a.data_ptr(), out.data_ptr(), workspace.data_ptr(), stream) ==
-            CUBLAS_STATUS_SUCCESS) {
-        return;
-    }
-    // the bucket's algorithm does not take this size: ask for the exact one (kept under its own key)
-    const Key exact{device, static_cast<int>(dtype), static_cast<int>(p.opb), p.m, p.n, p.k, align, true};
-    choice = cached_choice(handle, exact, p, dtype, align);
-    if (choice.found &&
-        run(handle, p, dtype, choice, b.data_ptr(), a.data_ptr(), out.data_ptr(), workspace.data_ptr(), stream) ==
-            CUBLAS_STATUS_SUCCESS) {
-        return;
-    }
+    const at::Tensor workspace = at::empty({kWorkspaceBytes}, x_PI.options().dtype(at::kByte));
+    // rows (dx): m = I, n = rows, k = O;  wgrad (dw): m = I, n = O, k = rows. The row count is set per expert.
+    Reused rows_gemm(Problem{CUBLAS_OP_N, I, 1, O}, dtype), wgrad_gemm(Problem{CUBLAS_OP_T, I, O, 1}, dtype);
+    const char* dy = static_cast<const char*>(dy_PO.data_ptr());
+    const char* x = static_cast<const char*>(x_PI.data_ptr());
+    const char* w = static_cast<const char*>(w_EOI.data_ptr());
+    char* dx = need_dx ? static_cast<char*>(dx_PI.data_ptr()) : nullptr;
+    char* dw = need_dw ? static_cast<char*>(dw_EOI.data_ptr()) : nullptr;
 #endif
-    (void)workspace;
-    at::Tensor dst = out;
-    at::mm_out(dst, wgrad ? a.t() : a, b);
+    int64_t start = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+        const int64_t n = counts[e];
+        if (n == 0) {
+            if (need_dw) {
+                C10_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(dw_EOI.data_ptr()) + e * O * I * dw_EOI.element_size(),
+                                               0, O * I * dw_EOI.element_size(), stream));
+            }
+            continue;
+        }
+        bool dx_done = !need_dx, dw_done = !need_dw;
+#ifdef LF_WITH_CUBLASLT
+        if (need_dx) {
+            dx_done = lt_gemm(handle, rows_gemm, false, n, dtype, device, es, dy + start * O * es, w + e * O * I * es,
+                              dx + start * I * es, workspace.data_ptr(), stream);
+        }
+        if (need_dw) {
+            dw_done = lt_gemm(handle, wgrad_gemm, true, n, dtype, device, es, dy + start * O * es, x + start * I * es,
+                              dw + e * O * I * es, workspace.data_ptr(), stream);
+        }
+#endif
+        if (!dx_done || !dw_done) {  // no cuBLASLt algorithm (or none built in): ATen's cuBLAS product
+            const at::Tensor dy_e = dy_PO.narrow(0, start, n);
+            if (!dx_done) {
+                at::Tensor dst = dx_PI.narrow(0, start, n);
+                at::mm_out(dst, dy_e, w_EOI[e]);
+            }
+            if (!dw_done) {
+                at::Tensor dst = dw_EOI[e];
+                at::mm_out(dst, dy_e.t(), x_PI.narrow(0, start, n));
+            }
+        }
+        start += n;
+    }
 }
 
 }  // namespace loongforge

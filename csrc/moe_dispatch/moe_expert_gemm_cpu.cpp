@@ -1,5 +1,5 @@
-// One GEMM of one expert, for the MoE experts' backward on the CPU (the loop over experts is the binding's
-// expert_linear_bwd): ATen's matmul, which is what torch's CPU grouped GEMM runs per group as well.
+// The MoE experts' backward on the CPU, one GEMM per expert and product (the binding's expert_linear_bwd checks
+// and allocates): ATen's matmul, which is what torch's CPU grouped GEMM runs per group as well.
 #include <ATen/ops/mm.h>
 
 #include "lf_common.h"
@@ -8,13 +8,28 @@ namespace loongforge {
 
 const char* expert_gemm_backend_cpu() { return "aten"; }
 
-int64_t expert_gemm_workspace_bytes_cpu() { return 0; }
-
-// wgrad = false: out[n, N] = a[n, K] @ b[K, N];  wgrad = true: out[M, N] = a[n, M]^T @ b[n, N].
-void expert_gemm_cpu(const at::Tensor& a, const at::Tensor& b, bool wgrad, const at::Tensor& out,
-                     const at::Tensor& /*workspace*/) {
-    at::Tensor dst = out;
-    at::mm_out(dst, wgrad ? a.t() : a, b);
+// As expert_linear_bwd_cuda (moe_expert_gemm.cpp): dx_PI[rows of e] = dy_PO[rows of e] @ w_EOI[e] and
+// dw_EOI[e] = dy_PO[rows of e]^T @ x_PI[rows of e], zeros for an expert without rows; undefined outputs skipped.
+void expert_linear_bwd_cpu(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
+                           const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI) {
+    int64_t start = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+        const int64_t n = counts[e];
+        if (n == 0) {
+            if (dw_EOI.defined()) dw_EOI[e].zero_();
+            continue;
+        }
+        const at::Tensor dy = dy_PO.narrow(0, start, n);
+        if (dx_PI.defined()) {
+            at::Tensor dst = dx_PI.narrow(0, start, n);
+            at::mm_out(dst, dy, w_EOI[e]);
+        }
+        if (dw_EOI.defined()) {
+            at::Tensor dst = dw_EOI[e];
+            at::mm_out(dst, dy.t(), x_PI.narrow(0, start, n));
+        }
+        start += n;
+    }
 }
 
 }  // namespace loongforge
