@@ -18,7 +18,6 @@
 //   wgrad: out[M, N] = a[n, M]^T @ b[n, N]    ->  out^T (N x M) = b^T (N x n) . a (n x M)      m=N n=M k=n
 // so A is always b (op N, lda = m) and B is a (op N with ldb = K, or op T with ldb = M); the varying row count is
 // cuBLAS's n for "rows" and its k for "wgrad", never a leading dimension.
-#include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,6 +27,7 @@
 #include <unordered_map>
 
 #include "lf_common.h"
+#include "moe_expert_gemm_aten.h"
 
 #ifdef LF_WITH_CUBLASLT
 #include <cublasLt.h>
@@ -243,10 +243,11 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
     const bool need_dx = dx_PI.defined(), need_dw = dw_EOI.defined();
     const int64_t O = dy_PO.size(1), I = x_PI.size(1);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_PI.get_device()).stream();
+    const uint64_t es = x_PI.element_size();
+    char* dw = need_dw ? static_cast<char*>(dw_EOI.data_ptr()) : nullptr;
 #ifdef LF_WITH_CUBLASLT
     const int device = x_PI.get_device();
     const cudaDataType_t dtype = lt_dtype(x_PI.scalar_type());
-    const uint64_t es = x_PI.element_size();
     cublasLtHandle_t handle = lt_handle(device);
     const at::Tensor workspace = at::empty({kWorkspaceBytes}, x_PI.options().dtype(at::kByte));
     // rows (dx): m = I, n = rows, k = O;  wgrad (dw): m = I, n = O, k = rows. The row count is set per expert.
@@ -255,16 +256,12 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
     const char* x = static_cast<const char*>(x_PI.data_ptr());
     const char* w = static_cast<const char*>(w_EOI.data_ptr());
     char* dx = need_dx ? static_cast<char*>(dx_PI.data_ptr()) : nullptr;
-    char* dw = need_dw ? static_cast<char*>(dw_EOI.data_ptr()) : nullptr;
 #endif
     int64_t start = 0;
     for (size_t e = 0; e < counts.size(); ++e) {
         const int64_t n = counts[e];
         if (n == 0) {
-            if (need_dw) {
-                C10_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(dw_EOI.data_ptr()) + e * O * I * dw_EOI.element_size(),
-                                               0, O * I * dw_EOI.element_size(), stream));
-            }
+            if (need_dw) C10_CUDA_CHECK(cudaMemsetAsync(dw + e * O * I * es, 0, O * I * es, stream));
             continue;
         }
         bool dx_done = !need_dx, dw_done = !need_dw;
@@ -279,15 +276,7 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
         }
 #endif
         if (!dx_done || !dw_done) {  // no cuBLASLt algorithm (or none built in): ATen's cuBLAS product
-            const at::Tensor dy_e = dy_PO.narrow(0, start, n);
-            if (!dx_done) {
-                at::Tensor dst = dx_PI.narrow(0, start, n);
-                at::mm_out(dst, dy_e, w_EOI[e]);
-            }
-            if (!dw_done) {
-                at::Tensor dst = dw_EOI[e];
-                at::mm_out(dst, dy_e.t(), x_PI.narrow(0, start, n));
-            }
+            expert_backward_aten(dy_PO, x_PI, w_EOI, e, start, n, dx_PI, dw_EOI, !dx_done, !dw_done);
         }
         start += n;
     }

@@ -1,8 +1,7 @@
 // The MoE experts' backward on the CPU, one GEMM per expert and product (the binding's expert_linear_bwd checks
-// and allocates): ATen's matmul, which is what torch's CPU grouped GEMM runs per group as well.
-#include <ATen/ops/mm.h>
-
+// and allocates): ATen's matmul (moe_expert_gemm_aten.h), which is what torch's CPU grouped GEMM runs per group as well.
 #include "lf_common.h"
+#include "moe_expert_gemm_aten.h"
 
 namespace loongforge {
 
@@ -19,15 +18,7 @@ void expert_linear_bwd_cpu(const at::Tensor& dy_PO, const at::Tensor& x_PI, cons
             if (dw_EOI.defined()) dw_EOI[e].zero_();
             continue;
         }
-        const at::Tensor dy = dy_PO.narrow(0, start, n);
-        if (dx_PI.defined()) {
-            at::Tensor dst = dx_PI.narrow(0, start, n);
-            at::mm_out(dst, dy, w_EOI[e]);
-        }
-        if (dw_EOI.defined()) {
-            at::Tensor dst = dw_EOI[e];
-            at::mm_out(dst, dy.t(), x_PI.narrow(0, start, n));
-        }
+        expert_backward_aten(dy_PO, x_PI, w_EOI, e, start, n, dx_PI, dw_EOI, dx_PI.defined(), dw_EOI.defined());
         start += n;
     }
 }

@@ -243,7 +243,7 @@ class HostCounts:
     read directly."""
 
     def __init__(self, tokens_per_expert_E: torch.Tensor):
-        self._event = None
+        self._event, self._list = None, None
         counts = tokens_per_expert_E.detach()
         if counts.device.type == "cpu":
             self._host = counts.clone()
@@ -254,9 +254,12 @@ class HostCounts:
             self._event.record()
 
     def get(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+        """The counts as a list, read once (the layer's two expert GEMMs share them)."""
+        if self._list is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._list = self._host.tolist()
+        return self._list
 
 
 class _GroupedExpertLinear(torch.autograd.Function):
