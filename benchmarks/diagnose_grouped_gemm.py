@@ -20,7 +20,15 @@ GEMM's M or K is new, which with fresh routing is every step. The layer's four b
 with fresh group sizes every round (a skewed Dirichlet draw, max/mean ~2-4 as in the e2e logs), with the same
 sizes every round, and grouped; host time to issue a round (perf_counter) and device time (CUDA events).
 
-    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR] [--host-cost]
+``--policies``: the device side of the same choice, paired. --host-cost timed its plans one after another, each
+on its own draws of group sizes (the "same sizes" plan on the first draw only, the most skewed of them), so its
+device times mixed three things: the plan, the draws, and the clock a sustained load had run down to by then. Here
+every variant runs the same draws, round by round (Timer.interleaved_times: round r of each at the same clocks),
+after one untimed pass over all draws that fills every algorithm cache (cuBLAS's for torch.mm with exact sizes,
+ours per bucket): torch's grouped GEMM, a torch.mm loop (cuBLAS's exact-size heuristic), and
+expert_linear_backward with each row-count grouping (8 buckets an octave, multiples of 128 and 64 rows, exact).
+
+    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR] [--host-cost | --policies]
 """
 
 from __future__ import annotations
@@ -198,14 +206,113 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
     return out
 
 
+POLICIES = (("octave", "octave"), ("rows 128", 128), ("rows 64", 64), ("exact", "exact"))
+
+
+def uniform_counts(rows: int, experts: int, generator: torch.Generator) -> list[int]:
+    """Group sizes of ``rows`` pairs routed uniformly at random (bench_moe's routing: sizes within a few % of
+    rows / experts)."""
+    ids = torch.randint(experts, (rows,), generator=generator)
+    return torch.bincount(ids, minlength=experts).tolist()
+
+
+def policies(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rounds: int,
+             routing: str = "skewed") -> dict:
+    """Device ms of the layer's four backward products on the same fresh draws of group sizes (``routing``:
+    "skewed" as the e2e logs, "uniform" as bench_moe), every variant round by round: grouped, a torch.mm loop,
+    and expert_linear_backward per row-count grouping (POLICIES)."""
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
+
+    pairs = tokens * top_k
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    x, act = torch.randn(pairs, hidden, **kw), torch.randn(pairs, inter, **kw)
+    d_out, d_gu = torch.randn(pairs, hidden, **kw), torch.randn(pairs, 2 * inter, **kw)
+    w_gu = torch.randn(experts, 2 * inter, hidden, **kw) / hidden ** 0.5
+    w_dn = torch.randn(experts, hidden, inter, **kw) / inter ** 0.5
+    dx_gu, dx_dn = torch.empty_like(x), torch.empty_like(act)
+    dw_gu, dw_dn = x.new_empty(experts, hidden, 2 * inter), x.new_empty(experts, inter, hidden)
+    gen = torch.Generator().manual_seed(1)
+    draw = skewed_counts if routing == "skewed" else uniform_counts
+    draws = [draw(pairs, experts, gen) for _ in range(rounds)]
+    offs = [torch.tensor(d).cumsum(0).to(device="cuda", dtype=torch.int32) for d in draws]
+
+    def cycling(body):  # the variant's call on the next draw, round robin over the draws
+        state = {"i": 0}
+
+        def call():
+            i = state["i"] % rounds
+            state["i"] += 1
+            body(i)
+        return call
+
+    def grouped(i):
+        F.grouped_mm(d_gu, w_gu, offs=offs[i])
+        F.grouped_mm(x.t(), d_gu, offs=offs[i])
+        F.grouped_mm(d_out, w_dn, offs=offs[i])
+        F.grouped_mm(act.t(), d_out, offs=offs[i])
+
+    def loop(i):
+        s = 0
+        for e, n in enumerate(draws[i]):
+            r = slice(s, s + n)
+            torch.mm(d_gu[r], w_gu[e], out=dx_gu[r])
+            torch.mm(x[r].t(), d_gu[r], out=dw_gu[e])
+            torch.mm(d_out[r], w_dn[e], out=dx_dn[r])
+            torch.mm(act[r].t(), d_out[r], out=dw_dn[e])
+            s += n
+
+    def ours(bucket):
+        def body(i):
+            expert_linear_backward(d_gu, x, w_gu, draws[i], row_bucket=bucket)
+            expert_linear_backward(d_out, act, w_dn, draws[i], row_bucket=bucket)
+        return body
+
+    fns = {"grouped": cycling(grouped), "torch.mm loop": cycling(loop),
+           **{f"ours {name}": cycling(ours(bucket)) for name, bucket in POLICIES}}
+    # warm-up: one pass over every draw (each variant's algorithm caches hold all of its sizes before timing)
+    times = Timer(warmup=rounds, repeats=rounds, head_start_cycles=2_000_000).interleaved_times(fns)
+    clock = sm_clock_mhz()
+    base = times["grouped"]
+    out = {"rounds": rounds, "routing": routing, "max_over_mean": [max(d) * experts / pairs for d in draws],
+           "sm_clock_mhz": clock, "variants": {}}
+    for name, t in times.items():
+        ratios = sorted(a / b for a, b in zip(t, base))
+        out["variants"][name] = {"sum_ms": sum(t), "median_ms": sorted(t)[rounds // 2],
+                                 "median_ratio_to_grouped": ratios[rounds // 2], "ms_per_round": t}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--host-cost", action="store_true", help="host time of the per-expert loop (see above)")
+    parser.add_argument("--policies", action="store_true",
+                        help="device time of the row-count groupings, paired on the same draws (see above)")
     args = parser.parse_args()
     wanted = args.shapes.split(",")
+    if args.policies:
+        report = {"env": environment(), "shapes": {}}
+        lines = []
+        for (name, *shape), routing in ((s, r) for s in SHAPES for r in ("skewed", "uniform")):
+            if name not in wanted:
+                continue
+            res = policies(*shape, rounds=args.rounds, routing=routing)
+            report["shapes"][f"{name} {routing}"] = res
+            lines.append(f"\n{name}, {routing} routing: {args.rounds} draws, max/mean load "
+                         f"{min(res['max_over_mean']):.2f}.."
+                         f"{max(res['max_over_mean']):.2f}, SM clock after {res['sm_clock_mhz']} MHz")
+            lines.append(f"{'variant':16s} {'sum ms':>9s} {'median ms':>10s} {'x grouped':>10s}")
+            for variant, r in res["variants"].items():
+                lines.append(f"{variant:16s} {r['sum_ms']:9.2f} {r['median_ms']:10.3f} "
+                             f"{r['median_ratio_to_grouped']:10.4f}")
+            print("\n".join(lines[-2 - len(res["variants"]):]), flush=True)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "diagnose_expert_gemm_policies.json").write_text(json.dumps(report, indent=1))
+        (out / "diagnose_expert_gemm_policies.txt").write_text("\n".join(lines) + "\n")
+        return
     if args.host_cost:
         report = {"env": environment(), "shapes": {}}
         for name, *shape in SHAPES:

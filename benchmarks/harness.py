@@ -114,6 +114,11 @@ class Timer:
     def interleaved(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
         """Median milliseconds of each fn, timed round by round (every fn once per round, in order), so that
         clocks and power, which drift under a sustained load, are the same for all of them."""
+        return {name: statistics.median(t) for name, t in self.interleaved_times(fns).items()}
+
+    def interleaved_times(self, fns: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+        """Every round's milliseconds of each fn, as :meth:`interleaved` times them (round r of every fn at the
+        same clocks: for paired comparisons)."""
         for fn in fns.values():
             for _ in range(self.warmup):
                 fn()
@@ -124,7 +129,7 @@ class Timer:
             torch.cuda.synchronize()
             for name, (s, e) in events:
                 times[name].append(s.elapsed_time(e))
-        return {name: statistics.median(t) for name, t in times.items()}
+        return times
 
 
 def measure_copy_bandwidth(timer: Timer, n_bytes: int = 2 * 1024**3) -> float:

@@ -27,7 +27,8 @@ void moe_topk_counts_cuda(const at::Tensor& values_RE, int64_t k, const at::Tens
                           const at::Tensor& counts_E);
 const char* expert_gemm_backend_cuda();
 void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                            const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI);
+                            const std::vector<int64_t>& counts, int64_t row_bucket, const at::Tensor& dx_PI,
+                            const at::Tensor& dw_EOI);
 #define LF_EXPERT_LINEAR_BWD expert_linear_bwd_cuda
 #define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cuda
 #define LF_TOPK_COUNTS moe_topk_counts_cuda
@@ -53,7 +54,8 @@ void moe_topk_counts_cpu(const at::Tensor& values_RE, int64_t k, const at::Tenso
                          const at::Tensor& counts_E);
 const char* expert_gemm_backend_cpu();
 void expert_linear_bwd_cpu(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                           const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI);
+                           const std::vector<int64_t>& counts, int64_t row_bucket, const at::Tensor& dx_PI,
+                           const at::Tensor& dw_EOI);
 #define LF_EXPERT_LINEAR_BWD expert_linear_bwd_cpu
 #define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cpu
 #define LF_TOPK_COUNTS moe_topk_counts_cpu
@@ -146,12 +148,17 @@ at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at
 //   dx_PI[rows of e] = dy_PO[rows of e] @ w_EOI[e]        dw_EOI[e] = dy_PO[rows of e]^T @ x_PI[rows of e]
 // dw comes in the weight's own layout, as torch's grouped GEMM writes it (a transposed gradient would cost the
 // parameter a strided copy: 0.68 ms a weight in the e2e mixtral step at 08b2d14); an expert without rows gets zeros.
+// row_bucket: how the CUDA build groups row counts for its algorithm choice (moe_expert_gemm.cpp's bucket(): 0 eight
+// buckets an octave, N > 0 multiples of N, -1 exact counts); the CPU build's ATen products have no such choice.
 std::vector<at::Tensor> expert_linear_bwd(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                                          const std::vector<int64_t>& counts, bool need_dx, bool need_dw) {
+                                          const std::vector<int64_t>& counts, bool need_dx, bool need_dw,
+                                          int64_t row_bucket) {
     check_expert_linear_bwd_args(dy_PO, x_PI, w_EOI, counts, kDispatchDevice);
+    LF_CHECK(row_bucket >= -1, "expert_linear_backward: row_bucket must be 0 (8 buckets an octave), a positive row "
+             "step or -1 (exact row counts), got ", row_bucket);
     at::Tensor dx_PI = need_dx ? at::empty(x_PI.sizes(), x_PI.options()) : at::Tensor();
     at::Tensor dw_EOI = need_dw ? at::empty(w_EOI.sizes(), w_EOI.options()) : at::Tensor();
-    LF_EXPERT_LINEAR_BWD(dy_PO, x_PI, w_EOI, counts, dx_PI, dw_EOI);
+    LF_EXPERT_LINEAR_BWD(dy_PO, x_PI, w_EOI, counts, row_bucket, dx_PI, dw_EOI);
     return {dx_PI, dw_EOI};
 }
 
@@ -183,9 +190,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "counts_E[int64]: per column, the weights_R[r % len] (1: None) of the rows r whose k largest values "
           "(torch.topk's set, ties to the lower column) include it");
     m.def("expert_linear_backward", &loongforge::expert_linear_bwd, py::arg("dy_PO"), py::arg("x_PI"),
-          py::arg("w_EOI"), py::arg("counts"), py::arg("need_dx"), py::arg("need_dw"),
+          py::arg("w_EOI"), py::arg("counts"), py::arg("need_dx"), py::arg("need_dw"), py::arg("row_bucket") = 0,
           "(dx_PI or None, dw_EOI or None) of y = x_PI @ w_EOI[e]^T per expert's rows (group sizes counts, on the "
-          "host); one GEMM per expert and product, zeros for experts without rows");
+          "host); one GEMM per expert and product, zeros for experts without rows; row_bucket: the CUDA build's "
+          "row-count grouping for its algorithm choice (0: 8 an octave, N > 0: multiples of N, -1: exact)");
     m.def("routing_indices", &loongforge::routing_indices, py::arg("ids_TK"), py::arg("num_experts"),
           "(order_P, slot_TK, counts_E, offsets_E[int32 inclusive cumsum]): the stable sort of the pairs by expert");
 }

@@ -5,9 +5,11 @@
 // cuBLAS then runs its heuristic again. On the H200 that cost ~380 us of host time a GEMM with fresh group sizes
 // against ~23 us with repeated ones (benchmarks/diagnose_grouped_gemm --host-cost, a811de5), far more than the
 // per-expert GEMMs save on the device. Here the heuristic is asked once per (dtype, layout, fixed sizes, alignment,
-// bucket of the row count): the row count rounded up to 8 steps an octave (at least 16 rows a step). The algorithm
-// found for the bucket's upper end then runs the actual size; where cuBLASLt refuses it, the exact size is asked
-// for (and kept), and where no algorithm exists at all, at::mm_out runs the product.
+// bucket of the row count): by default the row count rounded up to 8 steps an octave (at least 16 rows a step);
+// the caller may ask for multiples of a fixed step or for exact sizes (row_bucket, see bucket()), which
+// diagnose_grouped_gemm --policies compares on the device. The algorithm found for the bucket's upper end then runs
+// the actual size; where cuBLASLt refuses it, the exact size is asked for (and kept), and where no algorithm exists
+// at all, at::mm_out runs the product.
 //
 // Numerics: fp32 accumulation, one rounding to the output dtype, and split-K partial sums only in fp32
 // (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE): never the reduced-precision output-type reductions torch allows by
@@ -70,8 +72,12 @@ cudaDataType_t lt_dtype(at::ScalarType t) {
     return CUDA_R_32F;
 }
 
-// The row-count bucket: rounded up to a multiple of max(16, 2^(floor(log2 r) - 3)), i.e. 8 buckets an octave.
-int64_t bucket(int64_t r) {
+// The row-count bucket. row_bucket 0: rounded up to a multiple of max(16, 2^(floor(log2 r) - 3)), i.e. 8 buckets
+// an octave; > 0: rounded up to a multiple of row_bucket; -1: the exact count (a heuristic query, ~0.4 ms of host
+// time, for every new count).
+int64_t bucket(int64_t r, int64_t row_bucket) {
+    if (row_bucket == -1) return r;
+    if (row_bucket > 0) return (r + row_bucket - 1) / row_bucket * row_bucket;
     int64_t step = 1;
     while (step * 16 <= r) step <<= 1;  // step = 2^(floor(log2 r) - 3) for r >= 16
     step = step < 16 ? 16 : step;
@@ -199,12 +205,13 @@ struct Reused {
 };
 
 // One expert's product on raw pointers: A = b, B = a (see the top); false where cuBLASLt has no algorithm for it.
-bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, cudaDataType_t dtype, int device,
-             uint64_t es, const void* a_ptr, const void* b_ptr, void* c_ptr, void* workspace, cudaStream_t stream) {
+bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64_t row_bucket, cudaDataType_t dtype,
+             int device, uint64_t es, const void* a_ptr, const void* b_ptr, void* c_ptr, void* workspace,
+             cudaStream_t stream) {
     r.set_rows(wgrad, rows);
     const Problem& p = r.p;
     Problem asked = p;
-    (wgrad ? asked.k : asked.n) = bucket(rows);
+    (wgrad ? asked.k : asked.n) = bucket(rows, row_bucket);
     const uint32_t align = alignment({reinterpret_cast<uint64_t>(a_ptr), reinterpret_cast<uint64_t>(b_ptr),
                                       reinterpret_cast<uint64_t>(c_ptr), p.m * es, p.ldb() * es});
     const float one = 1.f, zero = 0.f;
@@ -238,7 +245,8 @@ const char* expert_gemm_backend_cuda() {
 // that a GEMM costs the host little more than its cublasLtMatmul (no tensor views, one guard, handle, stream and
 // workspace for all of them).
 void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                            const std::vector<int64_t>& counts, const at::Tensor& dx_PI, const at::Tensor& dw_EOI) {
+                            const std::vector<int64_t>& counts, int64_t row_bucket, const at::Tensor& dx_PI,
+                            const at::Tensor& dw_EOI) {
     const c10::cuda::CUDAGuard guard(x_PI.device());
     const bool need_dx = dx_PI.defined(), need_dw = dw_EOI.defined();
     const int64_t O = dy_PO.size(1), I = x_PI.size(1);
@@ -267,12 +275,12 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
         bool dx_done = !need_dx, dw_done = !need_dw;
 #ifdef LF_WITH_CUBLASLT
         if (need_dx) {
-            dx_done = lt_gemm(handle, rows_gemm, false, n, dtype, device, es, dy + start * O * es, w + e * O * I * es,
-                              dx + start * I * es, workspace.data_ptr(), stream);
+            dx_done = lt_gemm(handle, rows_gemm, false, n, row_bucket, dtype, device, es, dy + start * O * es,
+                              w + e * O * I * es, dx + start * I * es, workspace.data_ptr(), stream);
         }
         if (need_dw) {
-            dw_done = lt_gemm(handle, wgrad_gemm, true, n, dtype, device, es, dy + start * O * es, x + start * I * es,
-                              dw + e * O * I * es, workspace.data_ptr(), stream);
+            dw_done = lt_gemm(handle, wgrad_gemm, true, n, row_bucket, dtype, device, es, dy + start * O * es,
+                              x + start * I * es, dw + e * O * I * es, workspace.data_ptr(), stream);
         }
 #endif
         if (!dx_done || !dw_done) {  // no cuBLASLt algorithm (or none built in): ATen's cuBLAS product

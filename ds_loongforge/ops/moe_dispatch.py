@@ -226,8 +226,22 @@ def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
     return None if kernel is None else kernel.expert_gemm_backend
 
 
+def _row_bucket_code(row_bucket) -> int:
+    """The kernel's code for a row-count grouping (moe_expert_gemm.cpp's bucket()): "octave" 0, "exact" -1, a
+    positive row step itself."""
+    if row_bucket == "octave":
+        return 0
+    if row_bucket == "exact":
+        return -1
+    if isinstance(row_bucket, int) and not isinstance(row_bucket, bool) and row_bucket > 0:
+        return row_bucket
+    raise ValueError(f"expert_linear_backward: row_bucket must be 'octave', 'exact' or a positive number of rows, "
+                     f"got {row_bucket!r}")
+
+
 def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
-                           need_dx: bool = True, need_dw: bool = True, impl: str = "auto"):
+                           need_dx: bool = True, need_dw: bool = True, impl: str = "auto",
+                           row_bucket: int | str = "octave"):
     """``(dx_PI, dw_EOI)``, the gradients of ``y_PO = x_PI @ w_EOI[e].T`` on each expert's rows (expert-major,
     ``counts[e]`` rows for expert e, a host list): ``dx_PI[rows] = dy_PO[rows] @ w_EOI[e]`` and ``dw_EOI[e] =
     dy_PO[rows].T @ x_PI[rows]`` (the weight's own layout, as torch's grouped GEMM writes it: a transposed one
@@ -237,16 +251,19 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     of each expert's size ran ~5-10% faster than torch's grouped GEMM, but issued as torch.mm from Python they cost
     far more host time than they saved (benchmarks/NOTES.md, 6323049; a811de5's --host-cost: a cuBLAS heuristic
     query for each new row count). On CUDA the op asks cuBLASLt's heuristic once per problem class and row-count
-    bucket (csrc/moe_dispatch/moe_expert_gemm.cpp). fp32 accumulation; split-K sums only in fp32. ``impl`` as in
-    :func:`moe_permute`.
+    bucket (csrc/moe_dispatch/moe_expert_gemm.cpp): ``row_bucket`` "octave" (8 buckets an octave), a positive row
+    step (multiples of it) or "exact" (a ~0.4 ms heuristic query for every new row count); only CUDA's choice of
+    algorithm depends on it, never the arithmetic's precision. fp32 accumulation; split-K sums only in fp32.
+    ``impl`` as in :func:`moe_permute`.
     """
     counts = [int(n) for n in counts]
     _check_expert_linear_args(dy_PO, x_PI, w_EOI, counts)
+    code = _row_bucket_code(row_bucket)
     kernel = _kernel("expert_linear_backward", x_PI, impl)
     if kernel is None:
         return expert_linear_backward_reference(dy_PO, x_PI, w_EOI, counts, need_dx, need_dw)
     return tuple(kernel.expert_linear_backward(dy_PO.contiguous(), x_PI.contiguous(), w_EOI.contiguous(), counts,
-                                               bool(need_dx), bool(need_dw)))
+                                               bool(need_dx), bool(need_dw), code))
 
 
 def routing_indices(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto"):

@@ -362,18 +362,21 @@ def skewed_counts(rows: int, experts: int, generator: torch.Generator | None = N
 
 
 def expert_linear_checks(counts: list[int], in_features: int, out_features: int, dtype: torch.dtype, device: str,
-                         impl: str, generator: torch.Generator | None = None) -> list[CheckResult]:
-    """expert_linear_backward(impl) vs fp64: dx and dw, each within 2x the error of the same per-expert products
-    by torch.mm in ``dtype`` (expert_linear_backward_reference). Experts without rows must get exact zeros."""
+                         impl: str, generator: torch.Generator | None = None,
+                         row_bucket: int | str = "octave") -> list[CheckResult]:
+    """expert_linear_backward(impl, row_bucket) vs fp64: dx and dw, each within 2x the error of the same per-expert
+    products by torch.mm in ``dtype`` (expert_linear_backward_reference). Experts without rows must get exact
+    zeros."""
     experts, rows = len(counts), sum(counts)
     kw = {"device": device, "generator": generator}
     dy = torch.randn(rows, out_features, **kw).to(dtype)
     x = torch.randn(rows, in_features, **kw).to(dtype)
     w = (torch.randn(experts, out_features, in_features, **kw) / out_features ** 0.5).to(dtype)
-    ours = expert_linear_backward(dy, x, w, counts, impl=impl)
+    ours = expert_linear_backward(dy, x, w, counts, impl=impl, row_bucket=row_bucket)
     exact = expert_linear_backward_reference(dy.double(), x.double(), w.double(), counts)
     eager = expert_linear_backward_reference(dy, x, w, counts)
-    label = f"expert_linear_backward {impl} {str(dtype)[6:]} E={experts} P={rows} I={in_features} O={out_features}"
+    label = (f"expert_linear_backward {impl} {str(dtype)[6:]} E={experts} P={rows} I={in_features} O={out_features} "
+             f"row_bucket={row_bucket}")
     empty = [e for e, n in enumerate(counts) if n == 0]
     zeros = float(ours[1][empty].abs().sum()) if empty else 0.0
     return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, dtype))

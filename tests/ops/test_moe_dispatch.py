@@ -3,6 +3,8 @@ edge shapes, bitwise determinism of the backward, row-strided and misaligned row
 
 Legend: T tokens, H hidden, K experts per token, E experts, P = T*K pairs."""
 
+import re
+
 import pytest
 import torch
 
@@ -527,6 +529,27 @@ def test_expert_linear_backward_is_bitwise_deterministic(impl):
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_linear_backward_row_bucket_only_picks_an_algorithm(impl):
+    """row_bucket chooses how CUDA groups row counts for its algorithm choice, nothing else: every grouping is
+    within bf16's 2x rule of fp64 (test above, on the device), and the CPU's ATen products are the same bits."""
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
+
+    device = device_of(impl)
+    counts = [300, 0, 129, 77]
+    dy = torch.randn(sum(counts), 96, device=device).bfloat16()
+    x = torch.randn(sum(counts), 64, device=device).bfloat16()
+    w = torch.randn(4, 96, 64, device=device).bfloat16()
+    first = expert_linear_backward(dy, x, w, counts, impl=impl)
+    for row_bucket in (128, 64, 1, "exact"):
+        again = expert_linear_backward(dy, x, w, counts, impl=impl, row_bucket=row_bucket)
+        for a, b in zip(first, again):
+            if device == "cpu":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 def test_expert_linear_backward_backends():
     from ds_loongforge.ops.moe_dispatch import expert_gemm_backend
 
@@ -535,10 +558,12 @@ def test_expert_linear_backward_backends():
 
 
 @pytest.mark.gpu
-def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts():
+@pytest.mark.parametrize("row_bucket", ["octave", 128, 64, "exact"])
+def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts(row_bucket):
     """On the device: the op is built with cuBLASLt, and the algorithm cached for each row-count bucket gives the
     per-expert torch.mm results (within bf16's 2x rule) for 40 fresh skewed routings of the e2e mixtral shape's
-    down projection (rows in many buckets, the bucket's upper end asked, smaller sizes run), plus unaligned rows."""
+    down projection (rows in many buckets, the bucket's upper end asked, smaller sizes run), plus unaligned rows,
+    under every row-count grouping."""
     from ds_loongforge.ops.moe_dispatch import expert_gemm_backend
     from ds_loongforge.ops.numerics import expert_linear_checks, skewed_counts
 
@@ -546,8 +571,9 @@ def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts():
     gen = torch.Generator().manual_seed(7)
     for draw in range(40):
         counts = skewed_counts(4096 + draw * 97, 8, gen, empty=draw % 3)
-        assert_checks(expert_linear_checks(counts, 512, 256, torch.bfloat16, "cuda", "cuda"))
-    assert_checks(expert_linear_checks([17, 3, 1], 1000, 24, torch.bfloat16, "cuda", "cuda"))  # 8-byte rows
+        assert_checks(expert_linear_checks(counts, 512, 256, torch.bfloat16, "cuda", "cuda", row_bucket=row_bucket))
+    assert_checks(expert_linear_checks([17, 3, 1], 1000, 24, torch.bfloat16, "cuda", "cuda",  # 8-byte rows
+                                       row_bucket=row_bucket))
 
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
@@ -564,6 +590,10 @@ def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
         expert_linear_backward(dy, x, w.transpose(1, 2), [3, 3], impl=impl)
     with pytest.raises(ValueError, match="one dtype for all three, got dy_PO torch.float32, x_PI torch.float64"):
         expert_linear_backward(dy, x.double(), w, [3, 3], impl=impl)
+    for bad in (0, -1, "tile", 2.5, True):
+        with pytest.raises(ValueError, match=f"row_bucket must be 'octave', 'exact' or a positive number of rows, "
+                                             f"got {re.escape(repr(bad))}"):
+            expert_linear_backward(dy, x, w, [3, 3], impl=impl, row_bucket=bad)
     if impl != "reference":
         module = _BUILDERS[device]().load()
         with pytest.raises(RuntimeError, match="expert_linear_backward: the group sizes sum to 5 but x_PI has 6 rows"):
@@ -572,3 +602,5 @@ def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
             module.expert_linear_backward(dy.double(), x.double(), w.double(), [3, 3], True, True)
         with pytest.raises(RuntimeError, match="expert_linear_backward: dy_PO must be contiguous"):
             module.expert_linear_backward(torch.randn(8, 6, device=device).t(), x, w, [3, 3], True, True)
+        with pytest.raises(RuntimeError, match="row_bucket must be 0 .*, a positive row step or -1 .*, got -2"):
+            module.expert_linear_backward(dy, x, w, [3, 3], True, True, -2)
