@@ -228,8 +228,14 @@ def build_ours(shape: Shape, w: Weights, device: torch.device, expert_compute: s
     what = f"ExpertMaskedMoE(impl={moe.impl!r}), strict ops (compiled kernels or an error)"
     supported = getattr(ours, "_grouped_mm_supported", None)
     if supported is not None:
-        probe_x = torch.empty(8, shape.hidden, device=device, dtype=DTYPE)
-        path = "torch grouped_mm" if supported(probe_x, moe.experts.gate_up_proj) else "per-expert loop (host sync)"
+        # the layer's pair rows [T*K, H] without their memory: the checks read the shape, dtype and device only
+        pairs_x = torch.empty(1, shape.hidden, device=device, dtype=DTYPE).expand(shape.tokens * shape.top_k, -1)
+        if not supported(pairs_x, moe.experts.gate_up_proj):
+            path = "per-expert loop (host sync)"
+        elif ours.per_expert_backward_pays(pairs_x, moe.experts.gate_up_proj, moe.impl):
+            path = "torch grouped_mm forward, per-expert cuBLASLt backward (expert_linear_backward)"
+        else:
+            path = "torch grouped_mm"
         what += f", expert GEMMs: {path}"
     return Built(moe, moe, list(moe.parameters()), _same_names(moe), what)
 
