@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import Timer, environment
+from ds_loongforge.ops.moe_dispatch import expert_gemm_stats
 from ds_loongforge.ops.numerics import skewed_counts
 from ds_loongforge.profiler import nvml_errors
 
@@ -177,7 +179,6 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
         F.grouped_mm(d_out, w_dn, offs=offs)
         F.grouped_mm(act.t(), d_out, offs=offs)
 
-    import time
     out = {"rounds": rounds, "max_over_mean": [max(s) * experts / pairs for s in fresh[:5]],
            "expert_gemm_backend": expert_gemm_backend("cuda")}
     plans = [("loop_fresh_sizes", loop, fresh), ("loop_same_sizes", loop, fixed), ("grouped", grouped, fresh),
@@ -206,7 +207,8 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
     return out
 
 
-POLICIES = (("octave", "octave"), ("rows 128", 128), ("rows 64", 64), ("exact", "exact"))
+POLICIES = (("octave", "octave"), ("rows 128", 128), ("rows 64", 64), ("exact", "exact"), ("learned", "learned"))
+LEARNED_PRE_DRAWS = 100  # fresh draws the learned grouping sees before it is timed (a warmed-up training run)
 
 
 def uniform_counts(rows: int, experts: int, generator: torch.Generator) -> list[int]:
@@ -261,24 +263,78 @@ def policies(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rou
             torch.mm(act[r].t(), d_out[r], out=dw_dn[e])
             s += n
 
-    def ours(bucket):
+    def ours(bucket, sizes=draws):
         def body(i):
-            expert_linear_backward(d_gu, x, w_gu, draws[i], row_bucket=bucket)
-            expert_linear_backward(d_out, act, w_dn, draws[i], row_bucket=bucket)
+            expert_linear_backward(d_gu, x, w_gu, sizes[i], row_bucket=bucket)
+            expert_linear_backward(d_out, act, w_dn, sizes[i], row_bucket=bucket)
         return body
 
+    # the learned grouping meets the timed draws fresh, as a training step does: it learns on other draws first
+    # (LEARNED_PRE_DRAWS of them, then its warm-up pass over another `rounds`), while every other variant warms up
+    # on the timed draws themselves (their caches then hold every size, "exact" included)
+    pre = [draw(pairs, experts, gen) for _ in range(LEARNED_PRE_DRAWS + rounds)]
+    for i in range(LEARNED_PRE_DRAWS):
+        ours("learned", pre)(i)
+    learned_calls = {"n": 0}
+
+    def learned(i):
+        sizes = pre[LEARNED_PRE_DRAWS:] if learned_calls["n"] < rounds else draws
+        learned_calls["n"] += 1
+        ours("learned", sizes)(i)
+
     fns = {"grouped": cycling(grouped), "torch.mm loop": cycling(loop),
-           **{f"ours {name}": cycling(ours(bucket)) for name, bucket in POLICIES}}
+           **{f"ours {name}": cycling(learned if bucket == "learned" else ours(bucket)) for name, bucket in POLICIES}}
     # warm-up: one pass over every draw (each variant's algorithm caches hold all of its sizes before timing)
     times = Timer(warmup=rounds, repeats=rounds, head_start_cycles=2_000_000).interleaved_times(fns)
     clock = sm_clock_mhz()
+    # the learned grouping's host cost on more fresh draws: queries, and host time to issue a round
+    before = expert_gemm_stats()
+    fresh = [draw(pairs, experts, gen) for _ in range(rounds)]
+    host_us = []
+    for i in range(rounds):
+        torch.cuda._sleep(2_000_000)
+        t = time.perf_counter()
+        ours("learned", fresh)(i)
+        host_us.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+    after = expert_gemm_stats()
+    learned_host = {k: after[k] - before[k] for k in after}
+    learned_host["host_us_per_round_median"] = sorted(host_us)[rounds // 2]
+    learned_host["host_us_per_round_max"] = max(host_us)
     base = times["grouped"]
     out = {"rounds": rounds, "routing": routing, "max_over_mean": [max(d) * experts / pairs for d in draws],
-           "sm_clock_mhz": clock, "variants": {}}
+           "sm_clock_mhz": clock, "learned_on_fresh_draws": learned_host, "variants": {}}
     for name, t in times.items():
         ratios = sorted(a / b for a, b in zip(t, base))
         out["variants"][name] = {"sum_ms": sum(t), "median_ms": sorted(t)[rounds // 2],
                                  "median_ratio_to_grouped": ratios[rounds // 2], "ms_per_round": t}
+    return out
+
+
+def algo_map(tokens: int, hidden: int, inter: int, experts: int, top_k: int, lo: int, hi: int) -> dict:
+    """cuBLASLt's exact heuristic choice for every row count in [lo, hi] of the layer's four backward product
+    classes, as runs of equal configuration, and the host time of a query."""
+    from ds_loongforge.op_builder import MoEDispatchBuilder
+
+    module = MoEDispatchBuilder().load()
+    like = torch.empty(1, device="cuda", dtype=torch.bfloat16)
+    # (name, wgrad, m, fixed): y = x @ w^T with x [rows, I], w [O, I]; rows GEMM m=I k=O, wgrad m=I n=O
+    classes = (("gate_up dx", False, hidden, 2 * inter), ("gate_up dw", True, hidden, 2 * inter),
+               ("down dx", False, inter, hidden), ("down dw", True, inter, hidden))
+    out = {"rows": [lo, hi], "classes": {}}
+    for name, wgrad, m, fixed in classes:
+        runs, t = [], time.perf_counter()
+        for rows in range(lo, hi + 1):
+            config = module.expert_gemm_heuristic(like, wgrad, m, fixed, rows)
+            if runs and runs[-1][2] == config:
+                runs[-1][1] = rows
+            else:
+                runs.append([rows, rows, config])
+        query_us = (time.perf_counter() - t) * 1e6 / (hi - lo + 1)
+        out["classes"][name] = {"query_us": query_us, "runs": len(runs),
+                                "configs": len({tuple(c) for _, _, c in runs}), "by_rows": runs}
+        print(f"{name}: {len(runs)} runs of {out['classes'][name]['configs']} configurations over rows {lo}..{hi}, "
+              f"{query_us:.0f} us a query", flush=True)
     return out
 
 
@@ -290,8 +346,21 @@ def main() -> None:
     parser.add_argument("--host-cost", action="store_true", help="host time of the per-expert loop (see above)")
     parser.add_argument("--policies", action="store_true",
                         help="device time of the row-count groupings, paired on the same draws (see above)")
+    parser.add_argument("--algo-map", action="store_true",
+                        help="cuBLASLt's exact choice over row counts around each shape's mean (see algo_map)")
     args = parser.parse_args()
     wanted = args.shapes.split(",")
+    if args.algo_map:
+        report = {"env": environment(), "shapes": {}}
+        for name, *shape in SHAPES:
+            if name in wanted:
+                mean = shape[0] * shape[4] // shape[3]
+                report["shapes"][name] = algo_map(*shape, lo=mean // 2, hi=mean * 3)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "diagnose_expert_gemm_algo_map.json").write_text(json.dumps(report))
+        if not args.policies:
+            return
     if args.policies:
         report = {"env": environment(), "shapes": {}}
         lines = []
@@ -307,7 +376,8 @@ def main() -> None:
             for variant, r in res["variants"].items():
                 lines.append(f"{variant:16s} {r['sum_ms']:9.2f} {r['median_ms']:10.3f} "
                              f"{r['median_ratio_to_grouped']:10.4f}")
-            print("\n".join(lines[-2 - len(res["variants"]):]), flush=True)
+            lines.append(f"learned on {args.rounds} more fresh draws: {res['learned_on_fresh_draws']}")
+            print("\n".join(lines[-3 - len(res["variants"]):]), flush=True)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "diagnose_expert_gemm_policies.json").write_text(json.dumps(report, indent=1))

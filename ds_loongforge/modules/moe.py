@@ -279,8 +279,15 @@ class _GroupedExpertLinear(torch.autograd.Function):
         x_PI, w_EOI = ctx.saved_tensors
         dx_PI, dw_EOI = expert_linear_backward(dy_PO, x_PI, w_EOI, ctx.host_counts.get(),
                                                need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
-                                               impl=ctx.impl)
+                                               impl=ctx.impl, row_bucket=expert_gemm_row_bucket())
         return dx_PI, dw_EOI, None, None, None
+
+
+def expert_gemm_row_bucket() -> int | str:
+    """How the per-expert backward groups row counts for cuBLASLt's algorithm choice (expert_linear_backward's
+    row_bucket): LOONGFORGE_EXPERT_GEMM_ROWS ("octave", "learned", "exact" or a row step), default "octave"."""
+    value = os.environ.get("LOONGFORGE_EXPERT_GEMM_ROWS", "octave")
+    return int(value) if value.isdigit() else value
 
 
 @functools.lru_cache(maxsize=16)

@@ -226,17 +226,29 @@ def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
     return None if kernel is None else kernel.expert_gemm_backend
 
 
+ROW_BUCKETS = {"octave": 0, "exact": -1, "learned": -2}
+
+
 def _row_bucket_code(row_bucket) -> int:
-    """The kernel's code for a row-count grouping (moe_expert_gemm.cpp's bucket()): "octave" 0, "exact" -1, a
-    positive row step itself."""
-    if row_bucket == "octave":
-        return 0
-    if row_bucket == "exact":
-        return -1
+    """The kernel's code for a row-count grouping (moe_expert_gemm.cpp's bucket()): ROW_BUCKETS, or a positive row
+    step itself."""
+    if isinstance(row_bucket, str) and row_bucket in ROW_BUCKETS:
+        return ROW_BUCKETS[row_bucket]
     if isinstance(row_bucket, int) and not isinstance(row_bucket, bool) and row_bucket > 0:
         return row_bucket
-    raise ValueError(f"expert_linear_backward: row_bucket must be 'octave', 'exact' or a positive number of rows, "
-                     f"got {row_bucket!r}")
+    raise ValueError(f"expert_linear_backward: row_bucket must be one of {sorted(ROW_BUCKETS)} or a positive number "
+                     f"of rows, got {row_bucket!r}")
+
+
+def expert_gemm_stats() -> dict | None:
+    """The CUDA build's cuBLASLt counters since the process started (None without a CUDA kernel): heuristic
+    queries and their host milliseconds, and how the learned grouping found its algorithms."""
+    kernel = kernel_for("expert_linear_backward", _BUILDERS, "cuda", "auto")
+    if kernel is None or not hasattr(kernel, "expert_gemm_stats"):
+        return None
+    queries, query_ns, exact, between, asked, octave = kernel.expert_gemm_stats()
+    return {"queries": queries, "query_ms": query_ns / 1e6, "learned_exact_hits": exact,
+            "learned_between_neighbours": between, "learned_queries": asked, "learned_octave_fallbacks": octave}
 
 
 def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
@@ -252,8 +264,9 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     far more host time than they saved (benchmarks/NOTES.md, 6323049; a811de5's --host-cost: a cuBLAS heuristic
     query for each new row count). On CUDA the op asks cuBLASLt's heuristic once per problem class and row-count
     bucket (csrc/moe_dispatch/moe_expert_gemm.cpp): ``row_bucket`` "octave" (8 buckets an octave), a positive row
-    step (multiples of it) or "exact" (a ~0.4 ms heuristic query for every new row count); only CUDA's choice of
-    algorithm depends on it, never the arithmetic's precision. fp32 accumulation; split-K sums only in fp32.
+    step (multiples of it), "exact" (a ~0.4 ms heuristic query for every new row count) or "learned" (exact choices
+    where asked, reused between agreeing neighbours, a few queries a call); only CUDA's choice of algorithm depends
+    on it, never the arithmetic's precision. fp32 accumulation; split-K sums only in fp32.
     ``impl`` as in :func:`moe_permute`.
     """
     counts = [int(n) for n in counts]

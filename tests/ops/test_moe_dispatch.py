@@ -541,7 +541,7 @@ def test_expert_linear_backward_row_bucket_only_picks_an_algorithm(impl):
     x = torch.randn(sum(counts), 64, device=device).bfloat16()
     w = torch.randn(4, 96, 64, device=device).bfloat16()
     first = expert_linear_backward(dy, x, w, counts, impl=impl)
-    for row_bucket in (128, 64, 1, "exact"):
+    for row_bucket in (128, 64, 1, "exact", "learned"):
         again = expert_linear_backward(dy, x, w, counts, impl=impl, row_bucket=row_bucket)
         for a, b in zip(first, again):
             if device == "cpu":
@@ -558,7 +558,7 @@ def test_expert_linear_backward_backends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_bucket", ["octave", 128, 64, "exact"])
+@pytest.mark.parametrize("row_bucket", ["octave", 128, 64, "exact", "learned"])
 def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts(row_bucket):
     """On the device: the op is built with cuBLASLt, and the algorithm cached for each row-count bucket gives the
     per-expert torch.mm results (within bf16's 2x rule) for 40 fresh skewed routings of the e2e mixtral shape's
@@ -591,8 +591,8 @@ def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
     with pytest.raises(ValueError, match="one dtype for all three, got dy_PO torch.float32, x_PI torch.float64"):
         expert_linear_backward(dy, x.double(), w, [3, 3], impl=impl)
     for bad in (0, -1, "tile", 2.5, True):
-        with pytest.raises(ValueError, match=f"row_bucket must be 'octave', 'exact' or a positive number of rows, "
-                                             f"got {re.escape(repr(bad))}"):
+        with pytest.raises(ValueError, match=r"row_bucket must be one of \['exact', 'learned', 'octave'\] or a "
+                                             f"positive number of rows, got {re.escape(repr(bad))}"):
             expert_linear_backward(dy, x, w, [3, 3], impl=impl, row_bucket=bad)
     if impl != "reference":
         module = _BUILDERS[device]().load()
@@ -602,5 +602,5 @@ def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
             module.expert_linear_backward(dy.double(), x.double(), w.double(), [3, 3], True, True)
         with pytest.raises(RuntimeError, match="expert_linear_backward: dy_PO must be contiguous"):
             module.expert_linear_backward(torch.randn(8, 6, device=device).t(), x, w, [3, 3], True, True)
-        with pytest.raises(RuntimeError, match="row_bucket must be 0 .*, a positive row step or -1 .*, got -2"):
-            module.expert_linear_backward(dy, x, w, [3, 3], True, True, -2)
+        with pytest.raises(RuntimeError, match="row_bucket must be 0 .*, a positive row step, -1 .* or -2 .*, got -3"):
+            module.expert_linear_backward(dy, x, w, [3, 3], True, True, -3)
