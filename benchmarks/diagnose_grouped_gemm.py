@@ -26,9 +26,12 @@ device times mixed three things: the plan, the draws, and the clock a sustained 
 every variant runs the same draws, round by round (Timer.interleaved_times: round r of each at the same clocks),
 after one untimed pass over all draws that fills every algorithm cache (cuBLAS's for torch.mm with exact sizes,
 ours per bucket): torch's grouped GEMM, a torch.mm loop (cuBLAS's exact-size heuristic), and
-expert_linear_backward with each row-count grouping (8 buckets an octave, multiples of 128 and 64 rows, exact).
+expert_linear_backward with each row-count grouping (8 buckets an octave, multiples of 64 rows, exact, blocks of 8).
 
-    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR] [--host-cost | --policies]
+``--algo-map``: cuBLASLt's exact choice for every row count in [mean / 2, 3 x mean] of the four backward products,
+as runs of equal configuration (what the "blocks" grouping rests on).
+
+    python -m benchmarks.diagnose_grouped_gemm [--rounds 30] [--out DIR] [--host-cost | --policies] [--algo-map]
 """
 
 from __future__ import annotations
@@ -207,8 +210,8 @@ def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, ro
     return out
 
 
-POLICIES = (("octave", "octave"), ("rows 128", 128), ("rows 64", 64), ("exact", "exact"), ("learned", "learned"))
-LEARNED_PRE_DRAWS = 100  # fresh draws the learned grouping sees before it is timed (a warmed-up training run)
+POLICIES = (("octave", "octave"), ("rows 64", 64), ("exact", "exact"), ("blocks", "blocks"))
+FRESH_PRE_DRAWS = 100  # draws the blocks grouping sees before its host cost on fresh draws is measured
 
 
 def uniform_counts(rows: int, experts: int, generator: torch.Generator) -> list[int]:
@@ -269,41 +272,29 @@ def policies(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rou
             expert_linear_backward(d_out, act, w_dn, sizes[i], row_bucket=bucket)
         return body
 
-    # the learned grouping meets the timed draws fresh, as a training step does: it learns on other draws first
-    # (LEARNED_PRE_DRAWS of them, then its warm-up pass over another `rounds`), while every other variant warms up
-    # on the timed draws themselves (their caches then hold every size, "exact" included)
-    pre = [draw(pairs, experts, gen) for _ in range(LEARNED_PRE_DRAWS + rounds)]
-    for i in range(LEARNED_PRE_DRAWS):
-        ours("learned", pre)(i)
-    learned_calls = {"n": 0}
-
-    def learned(i):
-        sizes = pre[LEARNED_PRE_DRAWS:] if learned_calls["n"] < rounds else draws
-        learned_calls["n"] += 1
-        ours("learned", sizes)(i)
-
     fns = {"grouped": cycling(grouped), "torch.mm loop": cycling(loop),
-           **{f"ours {name}": cycling(learned if bucket == "learned" else ours(bucket)) for name, bucket in POLICIES}}
+           **{f"ours {name}": cycling(ours(bucket)) for name, bucket in POLICIES}}
     # warm-up: one pass over every draw (each variant's algorithm caches hold all of its sizes before timing)
     times = Timer(warmup=rounds, repeats=rounds, head_start_cycles=2_000_000).interleaved_times(fns)
     clock = sm_clock_mhz()
-    # the learned grouping's host cost on more fresh draws: queries, and host time to issue a round
-    before = expert_gemm_stats()
-    fresh = [draw(pairs, experts, gen) for _ in range(rounds)]
-    host_us = []
-    for i in range(rounds):
+    # the blocks grouping's host cost in a run's steady state: heuristic queries and host time to issue a round on
+    # fresh draws, after FRESH_PRE_DRAWS others
+    pre = [draw(pairs, experts, gen) for _ in range(FRESH_PRE_DRAWS + rounds)]
+    for i in range(FRESH_PRE_DRAWS):
+        ours("blocks", pre)(i)
+    before, host_us = expert_gemm_stats(), []
+    for i in range(FRESH_PRE_DRAWS, FRESH_PRE_DRAWS + rounds):
         torch.cuda._sleep(2_000_000)
         t = time.perf_counter()
-        ours("learned", fresh)(i)
+        ours("blocks", pre)(i)
         host_us.append((time.perf_counter() - t) * 1e6)
         torch.cuda.synchronize()
     after = expert_gemm_stats()
-    learned_host = {k: after[k] - before[k] for k in after}
-    learned_host["host_us_per_round_median"] = sorted(host_us)[rounds // 2]
-    learned_host["host_us_per_round_max"] = max(host_us)
-    base = times["grouped"]
+    blocks_host = {k: after[k] - before[k] for k in after}
+    blocks_host["host_us_per_round_median"] = sorted(host_us)[rounds // 2]
+    blocks_host["host_us_per_round_max"] = max(host_us)
     out = {"rounds": rounds, "routing": routing, "max_over_mean": [max(d) * experts / pairs for d in draws],
-           "sm_clock_mhz": clock, "learned_on_fresh_draws": learned_host, "variants": {}}
+           "sm_clock_mhz": clock, "blocks_on_fresh_draws": blocks_host, "variants": {}}
     for name, t in times.items():
         ratios = sorted(a / b for a, b in zip(t, base))
         out["variants"][name] = {"sum_ms": sum(t), "median_ms": sorted(t)[rounds // 2],
@@ -376,7 +367,8 @@ def main() -> None:
             for variant, r in res["variants"].items():
                 lines.append(f"{variant:16s} {r['sum_ms']:9.2f} {r['median_ms']:10.3f} "
                              f"{r['median_ratio_to_grouped']:10.4f}")
-            lines.append(f"learned on {args.rounds} more fresh draws: {res['learned_on_fresh_draws']}")
+            lines.append(f"blocks on {args.rounds} fresh draws after {FRESH_PRE_DRAWS} others: "
+                         f"{res['blocks_on_fresh_draws']}")
             print("\n".join(lines[-3 - len(res["variants"]):]), flush=True)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

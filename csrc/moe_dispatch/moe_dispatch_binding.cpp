@@ -152,14 +152,14 @@ at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at
 // dw comes in the weight's own layout, as torch's grouped GEMM writes it (a transposed gradient would cost the
 // parameter a strided copy: 0.68 ms a weight in the e2e mixtral step at 08b2d14); an expert without rows gets zeros.
 // row_bucket: how the CUDA build groups row counts for its algorithm choice (moe_expert_gemm.cpp's bucket(): 0 eight
-// buckets an octave, N > 0 multiples of N, -1 exact counts, -2 learned); the CPU build's ATen products have no
+// buckets an octave, N > 0 multiples of N, -1 exact counts, -2 blocks of 8); the CPU build's ATen products have no
 // such choice.
 std::vector<at::Tensor> expert_linear_bwd(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
                                           const std::vector<int64_t>& counts, bool need_dx, bool need_dw,
                                           int64_t row_bucket) {
     check_expert_linear_bwd_args(dy_PO, x_PI, w_EOI, counts, kDispatchDevice);
     LF_CHECK(row_bucket >= -2, "expert_linear_backward: row_bucket must be 0 (8 buckets an octave), a positive row "
-             "step, -1 (exact row counts) or -2 (learned), got ", row_bucket);
+             "step, -1 (exact row counts) or -2 (blocks of 8), got ", row_bucket);
     at::Tensor dx_PI = need_dx ? at::empty(x_PI.sizes(), x_PI.options()) : at::Tensor();
     at::Tensor dw_EOI = need_dw ? at::empty(w_EOI.sizes(), w_EOI.options()) : at::Tensor();
     LF_EXPERT_LINEAR_BWD(dy_PO, x_PI, w_EOI, counts, row_bucket, dx_PI, dw_EOI);
@@ -198,11 +198,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "(dx_PI or None, dw_EOI or None) of y = x_PI @ w_EOI[e]^T per expert's rows (group sizes counts, on the "
           "host); one GEMM per expert and product, zeros for experts without rows; row_bucket: the CUDA build's "
           "row-count grouping for its algorithm choice (0: 8 an octave, N > 0: multiples of N, -1: exact, "
-          "-2: learned)");
+          "-2: blocks of 8)");
 #ifdef LF_WITH_CUDA
     m.def("expert_gemm_stats", &loongforge::expert_gemm_stats_cuda,
-          "[heuristic queries, their host ns, learned: exact hits, between agreeing neighbours, exact queries, "
-          "octave fallbacks] since the process started");
+          "[cuBLASLt heuristic queries, their host ns] since the process started");
     m.def("expert_gemm_heuristic", &loongforge::expert_gemm_heuristic_cuda, py::arg("like"), py::arg("wgrad"),
           py::arg("m"), py::arg("fixed"), py::arg("rows"),
           "cuBLASLt's exact heuristic choice (configuration attributes; [] if none) for one per-expert product");

@@ -27,7 +27,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <map>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
@@ -45,9 +44,6 @@ namespace loongforge {
 namespace {
 
 constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;  // cuBLAS's recommendation for Hopper
-// The learned grouping's exact queries per call (one weight's experts): ~0.8 ms of host time at most, while the
-// call's GEMMs take 0.3-10 ms on an H200 at the e2e and bench_moe shapes.
-constexpr int64_t kLearnedQueriesPerCall = 2;
 
 #define LF_LT_CHECK(expr)                                                                                 \
     do {                                                                                                  \
@@ -79,7 +75,7 @@ cudaDataType_t lt_dtype(at::ScalarType t) {
     return CUDA_R_32F;
 }
 
-constexpr int64_t kExactRows = -1, kLearnedRows = -2;  // row_bucket codes besides 0 (octave) and steps > 0
+constexpr int64_t kExactRows = -1, kBlockRows = -2;  // row_bucket codes besides 0 (octave) and steps > 0
 
 // 2^(floor(log2 r) - 3), at least 16: the width of an octave bucket at r
 int64_t octave_step(int64_t r) {
@@ -88,11 +84,19 @@ int64_t octave_step(int64_t r) {
     return step < 16 ? 16 : step;
 }
 
-// The row-count bucket. row_bucket 0: rounded up to a multiple of octave_step(r), i.e. 8 buckets an octave;
-// > 0: rounded up to a multiple of row_bucket; -1: the exact count (a heuristic query, ~0.4 ms of host time, for
-// every new count). -2 (learned, see learned_choice) asks for exact counts and falls back to the octave bucket.
+// The row count the heuristic is asked for. row_bucket 0: rounded up to a multiple of octave_step(r), i.e. 8
+// buckets an octave; > 0: rounded up to a multiple of row_bucket; -1: the exact count; -2 (blocks): the exact
+// count for multiples of 8, else the last count of r's block of 8 (r | 7). On the H200 (cuBLAS of CUDA 13.0,
+// diagnose_grouped_gemm --algo-map at fda3a08) the exact choice over row counts 1024..6144 of the e2e mixtral and
+// mixtral_like backward products was a function of exactly that: within a block of 8, the 7 counts that are not a
+// multiple of 8 share one algorithm, and a multiple of 8 often takes another (an aligned tile), so a bucket's upper
+// end, always a multiple of 16, picked the algorithm of the actual count for only 5-15% of the input-gradient
+// products' counts and ran the rest 2-5% slower. Blocks give the exact choice for every count, deterministic (a
+// function of the count alone), at a heuristic query (~0.1 ms of host time) per block and multiple of 8 the first
+// time one is seen.
 int64_t bucket(int64_t r, int64_t row_bucket) {
     if (row_bucket == kExactRows) return r;
+    if (row_bucket == kBlockRows) return r % 8 == 0 ? r : (r | 7);
     if (row_bucket > 0) return (r + row_bucket - 1) / row_bucket * row_bucket;
     const int64_t step = octave_step(r);
     return (r + step - 1) / step * step;
@@ -157,9 +161,8 @@ struct Choice {
     Config config{};
 };
 
-// Heuristic queries and how the learned grouping found its algorithms (expert_gemm_stats)
-std::atomic<int64_t> n_queries{0}, n_query_ns{0}, n_learned_exact{0}, n_learned_between{0}, n_learned_asked{0},
-    n_learned_octave{0};
+// Heuristic queries and their host time (expert_gemm_stats)
+std::atomic<int64_t> n_queries{0}, n_query_ns{0};
 
 // The descriptors of one problem, destroyed with it.
 struct Descriptors {
@@ -234,56 +237,6 @@ Choice cached_choice(cublasLtHandle_t handle, const Key& key, const Problem& ask
     return cache.emplace(key, choice).first->second;
 }
 
-// The learned grouping (row_bucket -2): per problem class (everything but the row count), the exact heuristic's
-// choices at the row counts asked so far, ordered by row count. A new count takes the algorithm of its two nearest
-// asked neighbours when they agree and lie within one octave bucket of each other (the heuristic's choice is
-// piecewise constant in the row count between such points); otherwise, within the call's query budget, the exact
-// count is asked (~0.4 ms of host time) and kept, and beyond it the octave bucket's algorithm runs. A steady
-// workload's counts cluster, so the queries die out once the range it visits is mapped: the exact heuristic's
-// quality (diagnose_grouped_gemm --policies: 2-5% faster than any fixed grouping) at a fixed grouping's host cost.
-using ClassKey = std::tuple<int, int, int, bool, int64_t, int64_t, uint32_t>;  // device dtype opb wgrad m fixed align
-struct ClassKeyHash {
-    size_t operator()(const ClassKey& key) const {
-        size_t h = 0;
-        auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-        mix(std::get<0>(key)), mix(std::get<1>(key)), mix(std::get<2>(key)), mix(std::get<3>(key));
-        mix(std::get<4>(key)), mix(std::get<5>(key)), mix(std::get<6>(key));
-        return h;
-    }
-};
-std::unordered_map<ClassKey, std::map<int64_t, Choice>, ClassKeyHash> learned;  // under cache_mu
-
-// The learned algorithm for `rows` without a query, if the table has one (see above).
-bool learned_lookup(const ClassKey& key, int64_t rows, Choice* out) {
-    const std::lock_guard<std::mutex> lock(cache_mu);
-    auto table = learned.find(key);
-    if (table == learned.end()) return false;
-    const auto& by_rows = table->second;
-    auto hi = by_rows.lower_bound(rows);
-    if (hi != by_rows.end() && hi->first == rows) {
-        *out = hi->second;
-        ++n_learned_exact;
-        return true;
-    }
-    if (hi == by_rows.end() || hi == by_rows.begin()) return false;
-    auto lo = std::prev(hi);
-    if (!lo->second.found || !hi->second.found || lo->second.config != hi->second.config ||
-        hi->first - lo->first > octave_step(rows)) {
-        return false;
-    }
-    *out = lo->second;
-    ++n_learned_between;
-    return true;
-}
-
-Choice learned_ask(cublasLtHandle_t handle, const ClassKey& key, const Problem& exact, cudaDataType_t dtype,
-                   uint32_t align, int64_t rows) {
-    const Choice choice = ask_heuristic(handle, exact, dtype, align);  // outside the lock
-    ++n_learned_asked;
-    const std::lock_guard<std::mutex> lock(cache_mu);
-    return learned[key].emplace(rows, choice).first->second;
-}
-
 // The descriptors of one product class, made once per call of expert_linear_bwd_cuda; each expert's GEMM sets
 // only its row count on them (two layout attributes) instead of making and destroying four descriptors.
 struct Reused {
@@ -305,10 +258,9 @@ struct Reused {
 };
 
 // One expert's product on raw pointers: A = b, B = a (see the top); false where cuBLASLt has no algorithm for it.
-// queries_left: the call's budget of exact queries for the learned grouping (decremented here).
-bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64_t row_bucket, int64_t& queries_left,
-             cudaDataType_t dtype, int device, uint64_t es, const void* a_ptr, const void* b_ptr, void* c_ptr,
-             void* workspace, cudaStream_t stream) {
+bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64_t row_bucket, cudaDataType_t dtype,
+             int device, uint64_t es, const void* a_ptr, const void* b_ptr, void* c_ptr, void* workspace,
+             cudaStream_t stream) {
     r.set_rows(wgrad, rows);
     const Problem& p = r.p;
     const uint32_t align = alignment({reinterpret_cast<uint64_t>(a_ptr), reinterpret_cast<uint64_t>(b_ptr),
@@ -319,20 +271,6 @@ bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64
                                               c_ptr, r.d.c, &choice.algo, workspace, kWorkspaceBytes,
                                               stream) == CUBLAS_STATUS_SUCCESS;
     };
-    if (row_bucket == kLearnedRows) {
-        const ClassKey key{device, static_cast<int>(dtype), static_cast<int>(p.opb), wgrad, p.m, wgrad ? p.n : p.k,
-                           align};
-        Choice choice;
-        bool have = learned_lookup(key, rows, &choice);
-        if (!have && queries_left > 0) {
-            --queries_left;
-            choice = learned_ask(handle, key, p, dtype, align, rows);
-            have = true;
-        }
-        if (have && run(choice)) return true;
-        ++n_learned_octave;  // no budget left (or the learned algorithm refused this size): the octave bucket's
-        row_bucket = 0;
-    }
     Problem asked = p;
     (wgrad ? asked.k : asked.n) = bucket(rows, row_bucket);
     const Key key{device, static_cast<int>(dtype), static_cast<int>(p.opb), asked.m, asked.n, asked.k, align, false};
@@ -345,14 +283,12 @@ bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64
 }  // namespace
 #endif  // LF_WITH_CUBLASLT
 
-// Counters since the process started: heuristic queries (all groupings) and their host time, and the learned
-// grouping's lookups: exact hits, algorithms taken between agreeing neighbours, exact queries, octave fallbacks.
+// Counters since the process started: cuBLASLt heuristic queries and their host nanoseconds.
 std::vector<int64_t> expert_gemm_stats_cuda() {
 #ifdef LF_WITH_CUBLASLT
-    return {n_queries.load(), n_query_ns.load(), n_learned_exact.load(), n_learned_between.load(),
-            n_learned_asked.load(), n_learned_octave.load()};
+    return {n_queries.load(), n_query_ns.load()};
 #else
-    return {0, 0, 0, 0, 0, 0};
+    return {0, 0};
 #endif
 }
 
@@ -402,7 +338,6 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
     const at::Tensor workspace = at::empty({kWorkspaceBytes}, x_PI.options().dtype(at::kByte));
     // rows (dx): m = I, n = rows, k = O;  wgrad (dw): m = I, n = O, k = rows. The row count is set per expert.
     Reused rows_gemm(Problem{CUBLAS_OP_N, I, 1, O}, dtype), wgrad_gemm(Problem{CUBLAS_OP_T, I, O, 1}, dtype);
-    int64_t queries_left = kLearnedQueriesPerCall;
     const char* dy = static_cast<const char*>(dy_PO.data_ptr());
     const char* x = static_cast<const char*>(x_PI.data_ptr());
     const char* w = static_cast<const char*>(w_EOI.data_ptr());
@@ -418,11 +353,11 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
         bool dx_done = !need_dx, dw_done = !need_dw;
 #ifdef LF_WITH_CUBLASLT
         if (need_dx) {
-            dx_done = lt_gemm(handle, rows_gemm, false, n, row_bucket, queries_left, dtype, device, es, dy + start * O * es,
+            dx_done = lt_gemm(handle, rows_gemm, false, n, row_bucket, dtype, device, es, dy + start * O * es,
                               w + e * O * I * es, dx + start * I * es, workspace.data_ptr(), stream);
         }
         if (need_dw) {
-            dw_done = lt_gemm(handle, wgrad_gemm, true, n, row_bucket, queries_left, dtype, device, es, dy + start * O * es,
+            dw_done = lt_gemm(handle, wgrad_gemm, true, n, row_bucket, dtype, device, es, dy + start * O * es,
                               x + start * I * es, dw + e * O * I * es, workspace.data_ptr(), stream);
         }
 #endif

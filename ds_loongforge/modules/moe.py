@@ -285,8 +285,9 @@ class _GroupedExpertLinear(torch.autograd.Function):
 
 def expert_gemm_row_bucket() -> int | str:
     """How the per-expert backward groups row counts for cuBLASLt's algorithm choice (expert_linear_backward's
-    row_bucket): LOONGFORGE_EXPERT_GEMM_ROWS ("octave", "learned", "exact" or a row step), default "octave"."""
-    value = os.environ.get("LOONGFORGE_EXPERT_GEMM_ROWS", "octave")
+    row_bucket): LOONGFORGE_EXPERT_GEMM_ROWS ("blocks", "octave", "exact" or a row step), default "blocks", the
+    exact heuristic's choice (csrc/moe_dispatch/moe_expert_gemm.cpp's bucket())."""
+    value = os.environ.get("LOONGFORGE_EXPERT_GEMM_ROWS", "blocks")
     return int(value) if value.isdigit() else value
 
 

@@ -226,7 +226,7 @@ def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
     return None if kernel is None else kernel.expert_gemm_backend
 
 
-ROW_BUCKETS = {"octave": 0, "exact": -1, "learned": -2}
+ROW_BUCKETS = {"octave": 0, "exact": -1, "blocks": -2}
 
 
 def _row_bucket_code(row_bucket) -> int:
@@ -241,14 +241,13 @@ def _row_bucket_code(row_bucket) -> int:
 
 
 def expert_gemm_stats() -> dict | None:
-    """The CUDA build's cuBLASLt counters since the process started (None without a CUDA kernel): heuristic
-    queries and their host milliseconds, and how the learned grouping found its algorithms."""
+    """The CUDA build's cuBLASLt heuristic queries since the process started and their host milliseconds (None
+    without a CUDA kernel)."""
     kernel = kernel_for("expert_linear_backward", _BUILDERS, "cuda", "auto")
     if kernel is None or not hasattr(kernel, "expert_gemm_stats"):
         return None
-    queries, query_ns, exact, between, asked, octave = kernel.expert_gemm_stats()
-    return {"queries": queries, "query_ms": query_ns / 1e6, "learned_exact_hits": exact,
-            "learned_between_neighbours": between, "learned_queries": asked, "learned_octave_fallbacks": octave}
+    queries, query_ns = kernel.expert_gemm_stats()
+    return {"queries": queries, "query_ms": query_ns / 1e6}
 
 
 def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
@@ -264,9 +263,10 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     far more host time than they saved (benchmarks/NOTES.md, 6323049; a811de5's --host-cost: a cuBLAS heuristic
     query for each new row count). On CUDA the op asks cuBLASLt's heuristic once per problem class and row-count
     bucket (csrc/moe_dispatch/moe_expert_gemm.cpp): ``row_bucket`` "octave" (8 buckets an octave), a positive row
-    step (multiples of it), "exact" (a ~0.4 ms heuristic query for every new row count) or "learned" (exact choices
-    where asked, reused between agreeing neighbours, a few queries a call); only CUDA's choice of algorithm depends
-    on it, never the arithmetic's precision. fp32 accumulation; split-K sums only in fp32.
+    step (multiples of it), "exact" (a ~0.1 ms heuristic query for every new row count) or "blocks" (the exact
+    choice, asked once per block of 8 counts and per multiple of 8: see bucket() there); only CUDA's choice of
+    algorithm depends on it, never the arithmetic's precision, and each is a function of the row count alone.
+    fp32 accumulation; split-K sums only in fp32.
     ``impl`` as in :func:`moe_permute`.
     """
     counts = [int(n) for n in counts]

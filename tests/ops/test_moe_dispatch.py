@@ -541,7 +541,7 @@ def test_expert_linear_backward_row_bucket_only_picks_an_algorithm(impl):
     x = torch.randn(sum(counts), 64, device=device).bfloat16()
     w = torch.randn(4, 96, 64, device=device).bfloat16()
     first = expert_linear_backward(dy, x, w, counts, impl=impl)
-    for row_bucket in (128, 64, 1, "exact", "learned"):
+    for row_bucket in (128, 64, 1, "exact", "blocks"):
         again = expert_linear_backward(dy, x, w, counts, impl=impl, row_bucket=row_bucket)
         for a, b in zip(first, again):
             if device == "cpu":
@@ -558,7 +558,7 @@ def test_expert_linear_backward_backends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_bucket", ["octave", 128, 64, "exact", "learned"])
+@pytest.mark.parametrize("row_bucket", ["octave", 128, 64, "exact", "blocks"])
 def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts(row_bucket):
     """On the device: the op is built with cuBLASLt, and the algorithm cached for each row-count bucket gives the
     per-expert torch.mm results (within bf16's 2x rule) for 40 fresh skewed routings of the e2e mixtral shape's
@@ -591,7 +591,7 @@ def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
     with pytest.raises(ValueError, match="one dtype for all three, got dy_PO torch.float32, x_PI torch.float64"):
         expert_linear_backward(dy, x.double(), w, [3, 3], impl=impl)
     for bad in (0, -1, "tile", 2.5, True):
-        with pytest.raises(ValueError, match=r"row_bucket must be one of \['exact', 'learned', 'octave'\] or a "
+        with pytest.raises(ValueError, match=r"row_bucket must be one of \['blocks', 'exact', 'octave'\] or a "
                                              f"positive number of rows, got {re.escape(repr(bad))}"):
             expert_linear_backward(dy, x, w, [3, 3], impl=impl, row_bucket=bad)
     if impl != "reference":
