@@ -293,6 +293,7 @@ def policies(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rou
     blocks_host = {k: after[k] - before[k] for k in after}
     blocks_host["host_us_per_round_median"] = sorted(host_us)[rounds // 2]
     blocks_host["host_us_per_round_max"] = max(host_us)
+    base = times["grouped"]
     out = {"rounds": rounds, "routing": routing, "max_over_mean": [max(d) * experts / pairs for d in draws],
            "sm_clock_mhz": clock, "blocks_on_fresh_draws": blocks_host, "variants": {}}
     for name, t in times.items():
