@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import Timer, environment
-from ds_loongforge.ops.moe_dispatch import expert_gemm_stats
+from ds_loongforge.ops.moe_dispatch import expert_gemm_stats, expert_linear_backward
 from ds_loongforge.ops.numerics import skewed_counts
 from ds_loongforge.profiler import nvml_errors
 
@@ -145,46 +145,67 @@ def time_interleaved(fns: dict, rounds: int) -> dict:
     return out
 
 
-def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rounds: int) -> dict:
-    """Host us per round and device ms per round of the layer's four backward products, three ways."""
-    pairs = tokens * top_k
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    x, act = torch.randn(pairs, hidden, **kw), torch.randn(pairs, inter, **kw)
-    d_out, d_gu = torch.randn(pairs, hidden, **kw), torch.randn(pairs, 2 * inter, **kw)
-    w_gu = torch.randn(experts, 2 * inter, hidden, **kw) / hidden ** 0.5
-    w_dn = torch.randn(experts, hidden, inter, **kw) / inter ** 0.5
-    dx_gu, dx_dn = torch.empty_like(x), torch.empty_like(act)
-    dw_gu, dw_dn = x.new_empty(experts, hidden, 2 * inter), x.new_empty(experts, inter, hidden)
-    gen = torch.Generator().manual_seed(0)
-    fresh = [skewed_counts(pairs, experts, gen) for _ in range(rounds + 3)]
-    fixed = [fresh[0]] * (rounds + 3)
+class BackwardProducts:
+    """The MoE layer's four backward products (the gate_up and down weights' input and weight gradients) on random
+    bf16 operands of one shape, each way: a torch.mm loop, torch's grouped GEMM and expert_linear_backward."""
 
-    def loop(sizes):
+    def __init__(self, tokens: int, hidden: int, inter: int, experts: int, top_k: int):
+        self.pairs, self.experts = tokens * top_k, experts
+        kw = dict(device="cuda", dtype=torch.bfloat16)
+        self.x, self.act = torch.randn(self.pairs, hidden, **kw), torch.randn(self.pairs, inter, **kw)
+        self.d_out, self.d_gu = torch.randn(self.pairs, hidden, **kw), torch.randn(self.pairs, 2 * inter, **kw)
+        self.w_gu = torch.randn(experts, 2 * inter, hidden, **kw) / hidden ** 0.5
+        self.w_dn = torch.randn(experts, hidden, inter, **kw) / inter ** 0.5
+        self.dx_gu, self.dx_dn = torch.empty_like(self.x), torch.empty_like(self.act)
+        self.dw_gu = self.x.new_empty(experts, hidden, 2 * inter)
+        self.dw_dn = self.x.new_empty(experts, inter, hidden)
+
+    @staticmethod
+    def offsets(sizes: list[int]) -> torch.Tensor:
+        return torch.tensor(sizes).cumsum(0).to(device="cuda", dtype=torch.int32)
+
+    def loop(self, sizes: list[int]) -> None:
         s = 0
         for e, n in enumerate(sizes):
             r = slice(s, s + n)
-            torch.mm(d_gu[r], w_gu[e], out=dx_gu[r])
-            torch.mm(x[r].t(), d_gu[r], out=dw_gu[e])
-            torch.mm(d_out[r], w_dn[e], out=dx_dn[r])
-            torch.mm(act[r].t(), d_out[r], out=dw_dn[e])
+            torch.mm(self.d_gu[r], self.w_gu[e], out=self.dx_gu[r])
+            torch.mm(self.x[r].t(), self.d_gu[r], out=self.dw_gu[e])
+            torch.mm(self.d_out[r], self.w_dn[e], out=self.dx_dn[r])
+            torch.mm(self.act[r].t(), self.d_out[r], out=self.dw_dn[e])
             s += n
 
-    from ds_loongforge.ops.moe_dispatch import expert_gemm_backend, expert_linear_backward
+    def grouped(self, offs: torch.Tensor) -> None:
+        F.grouped_mm(self.d_gu, self.w_gu, offs=offs)
+        F.grouped_mm(self.x.t(), self.d_gu, offs=offs)
+        F.grouped_mm(self.d_out, self.w_dn, offs=offs)
+        F.grouped_mm(self.act.t(), self.d_out, offs=offs)
 
-    def ours(sizes):  # expert_linear_backward: the same per-expert GEMMs from one host call per weight
-        expert_linear_backward(d_gu, x, w_gu, sizes)
-        expert_linear_backward(d_out, act, w_dn, sizes)
+    def ours(self, sizes: list[int], row_bucket) -> None:  # the same per-expert GEMMs, one host call per weight
+        expert_linear_backward(self.d_gu, self.x, self.w_gu, sizes, row_bucket=row_bucket)
+        expert_linear_backward(self.d_out, self.act, self.w_dn, sizes, row_bucket=row_bucket)
+
+
+def host_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rounds: int) -> dict:
+    """Host us per round and device ms per round of the layer's four backward products, three ways."""
+    from ds_loongforge.modules.moe import expert_gemm_row_bucket
+    from ds_loongforge.ops.moe_dispatch import expert_gemm_backend
+
+    prod = BackwardProducts(tokens, hidden, inter, experts, top_k)
+    pairs = prod.pairs
+    gen = torch.Generator().manual_seed(0)
+    fresh = [skewed_counts(pairs, experts, gen) for _ in range(rounds + 3)]
+    fixed = [fresh[0]] * (rounds + 3)
+    row_bucket = expert_gemm_row_bucket()  # the layer's grouping
+
+    def ours(sizes):
+        prod.ours(sizes, row_bucket)
 
     def grouped(sizes):
-        offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to("cuda", non_blocking=True)
-        F.grouped_mm(d_gu, w_gu, offs=offs)
-        F.grouped_mm(x.t(), d_gu, offs=offs)
-        F.grouped_mm(d_out, w_dn, offs=offs)
-        F.grouped_mm(act.t(), d_out, offs=offs)
+        prod.grouped(prod.offsets(sizes))
 
     out = {"rounds": rounds, "max_over_mean": [max(s) * experts / pairs for s in fresh[:5]],
-           "expert_gemm_backend": expert_gemm_backend("cuda")}
-    plans = [("loop_fresh_sizes", loop, fresh), ("loop_same_sizes", loop, fixed), ("grouped", grouped, fresh),
+           "expert_gemm_backend": expert_gemm_backend("cuda"), "row_bucket": row_bucket}
+    plans = [("loop_fresh_sizes", prod.loop, fresh), ("loop_same_sizes", prod.loop, fixed), ("grouped", grouped, fresh),
              ("expert_linear_backward_fresh_sizes", ours, fresh)]
     # a second pass of fresh sizes for ours: its first pass asks the heuristic for each new row-count bucket
     plans.append(("expert_linear_backward_fresh_sizes_warm", ours,
@@ -226,20 +247,12 @@ def policies(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rou
     """Device ms of the layer's four backward products on the same fresh draws of group sizes (``routing``:
     "skewed" as the e2e logs, "uniform" as bench_moe), every variant round by round: grouped, a torch.mm loop,
     and expert_linear_backward per row-count grouping (POLICIES)."""
-    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
-
-    pairs = tokens * top_k
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    x, act = torch.randn(pairs, hidden, **kw), torch.randn(pairs, inter, **kw)
-    d_out, d_gu = torch.randn(pairs, hidden, **kw), torch.randn(pairs, 2 * inter, **kw)
-    w_gu = torch.randn(experts, 2 * inter, hidden, **kw) / hidden ** 0.5
-    w_dn = torch.randn(experts, hidden, inter, **kw) / inter ** 0.5
-    dx_gu, dx_dn = torch.empty_like(x), torch.empty_like(act)
-    dw_gu, dw_dn = x.new_empty(experts, hidden, 2 * inter), x.new_empty(experts, inter, hidden)
+    prod = BackwardProducts(tokens, hidden, inter, experts, top_k)
+    pairs = prod.pairs
     gen = torch.Generator().manual_seed(1)
     draw = skewed_counts if routing == "skewed" else uniform_counts
     draws = [draw(pairs, experts, gen) for _ in range(rounds)]
-    offs = [torch.tensor(d).cumsum(0).to(device="cuda", dtype=torch.int32) for d in draws]
+    offs = [prod.offsets(d) for d in draws]
 
     def cycling(body):  # the variant's call on the next draw, round robin over the draws
         state = {"i": 0}
@@ -250,29 +263,10 @@ def policies(tokens: int, hidden: int, inter: int, experts: int, top_k: int, rou
             body(i)
         return call
 
-    def grouped(i):
-        F.grouped_mm(d_gu, w_gu, offs=offs[i])
-        F.grouped_mm(x.t(), d_gu, offs=offs[i])
-        F.grouped_mm(d_out, w_dn, offs=offs[i])
-        F.grouped_mm(act.t(), d_out, offs=offs[i])
-
-    def loop(i):
-        s = 0
-        for e, n in enumerate(draws[i]):
-            r = slice(s, s + n)
-            torch.mm(d_gu[r], w_gu[e], out=dx_gu[r])
-            torch.mm(x[r].t(), d_gu[r], out=dw_gu[e])
-            torch.mm(d_out[r], w_dn[e], out=dx_dn[r])
-            torch.mm(act[r].t(), d_out[r], out=dw_dn[e])
-            s += n
-
     def ours(bucket, sizes=draws):
-        def body(i):
-            expert_linear_backward(d_gu, x, w_gu, sizes[i], row_bucket=bucket)
-            expert_linear_backward(d_out, act, w_dn, sizes[i], row_bucket=bucket)
-        return body
+        return lambda i: prod.ours(sizes[i], bucket)
 
-    fns = {"grouped": cycling(grouped), "torch.mm loop": cycling(loop),
+    fns = {"grouped": cycling(lambda i: prod.grouped(offs[i])), "torch.mm loop": cycling(lambda i: prod.loop(draws[i])),
            **{f"ours {name}": cycling(ours(bucket)) for name, bucket in POLICIES}}
     # warm-up: one pass over every draw (each variant's algorithm caches hold all of its sizes before timing)
     times = Timer(warmup=rounds, repeats=rounds, head_start_cycles=2_000_000).interleaved_times(fns)

@@ -403,8 +403,8 @@ def write_results(out_dir: Path, name: str, meta: dict, results: list[VariantRes
                              "of the GPU when the phase began): " + format_host_ranges(k["host_ranges"], digits=1))
     synced = [r for r in results if r.status == "ok" and (r.train_summary.get("host_syncs") or {}).get("cuda")]
     if synced:
-        lines += ["", "Host waits for the device in step 3 (train.py --sync-debug; the host stops at each until the device gets "
-                  "there, and a synchronize empties the device's queue):", ""]
+        lines += ["", "Host waits for the device in step 3 (train.py --sync-debug; the host stops at each until the "
+                  "device gets there, and a synchronize empties the device's queue):", ""]
         for r in synced:
             h = r.train_summary["host_syncs"]
             lines.append(f"- {r.variant}: {h['count']}" + (": " if h["sites"] else "") + "; ".join(

@@ -24,7 +24,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -129,28 +128,22 @@ struct KeyHash {
     }
 };
 // What identifies an algorithm across problem sizes: cuBLASLt's configuration attributes (algorithm id, tile,
-// split-K count, reduction, CTA swizzle, custom option, stages, inner shape, cluster shape).
-using Config = std::array<int64_t, 9>;
-constexpr cublasLtMatmulAlgoConfigAttributes_t kConfigAttrs[9] = {
-    CUBLASLT_ALGO_CONFIG_ID,           CUBLASLT_ALGO_CONFIG_TILE_ID,        CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-    CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
-    CUBLASLT_ALGO_CONFIG_STAGES_ID,    CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID};
-
-Config config_of(const cublasLtMatmulAlgo_t& algo) {
-    Config config{};
-    for (size_t i = 0; i < config.size(); ++i) {
-        uint64_t value = 0;  // attributes are 16 to 32 bits wide: read into the low bytes (little-endian)
-        size_t written = 0;
-        if (cublasLtMatmulAlgoConfigGetAttribute(&algo, kConfigAttrs[i], &value, sizeof(value), &written) !=
-            CUBLAS_STATUS_SUCCESS) {
-            size_t needed = 0;
-            cublasLtMatmulAlgoConfigGetAttribute(&algo, kConfigAttrs[i], nullptr, 0, &needed);
-            value = 0;
-            if (needed > 0 && needed <= sizeof(value)) {
-                cublasLtMatmulAlgoConfigGetAttribute(&algo, kConfigAttrs[i], &value, needed, &written);
-            }
+// split-K count, reduction, CTA swizzle, custom option, stages, inner shape, cluster shape), for expert_gemm_heuristic.
+std::vector<int64_t> config_of(const cublasLtMatmulAlgo_t& algo) {
+    constexpr cublasLtMatmulAlgoConfigAttributes_t attrs[] = {
+        CUBLASLT_ALGO_CONFIG_ID,         CUBLASLT_ALGO_CONFIG_TILE_ID,          CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+        CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+        CUBLASLT_ALGO_CONFIG_STAGES_ID,  CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID,  CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID};
+    std::vector<int64_t> config;
+    for (auto attr : attrs) {
+        // each attribute is read at its own width (16 or 32 bits), into the low bytes of value (little-endian)
+        size_t needed = 0, written = 0;
+        uint64_t value = 0;
+        cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &needed);
+        if (needed > 0 && needed <= sizeof(value)) {
+            cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, needed, &written);
         }
-        config[i] = static_cast<int64_t>(value);
+        config.push_back(static_cast<int64_t>(value));
     }
     return config;
 }
@@ -158,7 +151,6 @@ Config config_of(const cublasLtMatmulAlgo_t& algo) {
 struct Choice {
     bool found = false;
     cublasLtMatmulAlgo_t algo{};
-    Config config{};
 };
 
 // Heuristic queries and their host time (expert_gemm_stats)
@@ -217,7 +209,6 @@ Choice ask_heuristic(cublasLtHandle_t handle, const Problem& p, cudaDataType_t d
     if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
         choice.found = true;
         choice.algo = result.algo;
-        choice.config = config_of(result.algo);
     }
     return choice;
 }
@@ -292,7 +283,7 @@ std::vector<int64_t> expert_gemm_stats_cuda() {
 #endif
 }
 
-// The exact heuristic's algorithm (its configuration attributes, see Config; empty where it has none) for one
+// The exact heuristic's algorithm (its configuration attributes, see config_of; empty where it has none) for one
 // product of like's dtype on like's device: "rows" (wgrad false: m x rows x k = fixed) or "wgrad" (m x n = fixed,
 // k = rows), operands 256-byte aligned. Not cached: for mapping the heuristic's choices over row counts.
 std::vector<int64_t> expert_gemm_heuristic_cuda(const at::Tensor& like, bool wgrad, int64_t m, int64_t fixed,
@@ -301,8 +292,7 @@ std::vector<int64_t> expert_gemm_heuristic_cuda(const at::Tensor& like, bool wgr
     const c10::cuda::CUDAGuard guard(like.device());
     const Problem p = wgrad ? Problem{CUBLAS_OP_T, m, fixed, rows} : Problem{CUBLAS_OP_N, m, rows, fixed};
     const Choice choice = ask_heuristic(lt_handle(like.get_device()), p, lt_dtype(like.scalar_type()), 256);
-    if (!choice.found) return {};
-    return std::vector<int64_t>(choice.config.begin(), choice.config.end());
+    return choice.found ? config_of(choice.algo) : std::vector<int64_t>{};
 #else
     return {};
 #endif
