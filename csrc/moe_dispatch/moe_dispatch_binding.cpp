@@ -194,7 +194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "counts_E[int64]: per column, the weights_R[r % len] (1: None) of the rows r whose k largest values "
           "(torch.topk's set, ties to the lower column) include it");
     m.def("expert_linear_backward", &loongforge::expert_linear_bwd, py::arg("dy_PO"), py::arg("x_PI"),
-          py::arg("w_EOI"), py::arg("counts"), py::arg("need_dx"), py::arg("need_dw"), py::arg("row_bucket") = 0,
+          py::arg("w_EOI"), py::arg("counts"), py::arg("need_dx"), py::arg("need_dw"), py::arg("row_bucket") = -2,
           "(dx_PI or None, dw_EOI or None) of y = x_PI @ w_EOI[e]^T per expert's rows (group sizes counts, on the "
           "host); one GEMM per expert and product, zeros for experts without rows; row_bucket: the CUDA build's "
           "row-count grouping for its algorithm choice (0: 8 an octave, N > 0: multiples of N, -1: exact, "

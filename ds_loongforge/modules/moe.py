@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops.moe_dispatch import (expert_gemm_backend, expert_linear_backward, expert_routing, moe_permute,
+from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing, moe_permute,
                                             moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
@@ -285,10 +285,15 @@ class _GroupedExpertLinear(torch.autograd.Function):
 
 def expert_gemm_row_bucket() -> int | str:
     """How the per-expert backward groups row counts for cuBLASLt's algorithm choice (expert_linear_backward's
-    row_bucket): LOONGFORGE_EXPERT_GEMM_ROWS ("blocks", "octave", "exact" or a row step), default "blocks", the
-    exact heuristic's choice (csrc/moe_dispatch/moe_expert_gemm.cpp's bucket())."""
+    row_bucket): LOONGFORGE_EXPERT_GEMM_ROWS ("blocks", "octave", "exact" or a positive row step) for A/Bs, else
+    the op's default ("blocks", the exact heuristic's choice: csrc/moe_dispatch/moe_expert_gemm.cpp's bucket())."""
     value = os.environ.get("LOONGFORGE_EXPERT_GEMM_ROWS", "blocks")
-    return int(value) if value.isdigit() else value
+    if value in ROW_BUCKETS:
+        return value
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"LOONGFORGE_EXPERT_GEMM_ROWS must be one of {sorted(ROW_BUCKETS)} or a positive number of "
+                     f"rows, got {value!r}; unset it for the default (blocks)")
 
 
 @functools.lru_cache(maxsize=16)

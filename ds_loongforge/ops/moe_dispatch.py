@@ -252,7 +252,7 @@ def expert_gemm_stats() -> dict | None:
 
 def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
                            need_dx: bool = True, need_dw: bool = True, impl: str = "auto",
-                           row_bucket: int | str = "octave"):
+                           row_bucket: int | str = "blocks"):
     """``(dx_PI, dw_EOI)``, the gradients of ``y_PO = x_PI @ w_EOI[e].T`` on each expert's rows (expert-major,
     ``counts[e]`` rows for expert e, a host list): ``dx_PI[rows] = dy_PO[rows] @ w_EOI[e]`` and ``dw_EOI[e] =
     dy_PO[rows].T @ x_PI[rows]`` (the weight's own layout, as torch's grouped GEMM writes it: a transposed one
@@ -262,9 +262,9 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     of each expert's size ran ~5-10% faster than torch's grouped GEMM, but issued as torch.mm from Python they cost
     far more host time than they saved (benchmarks/NOTES.md, 6323049; a811de5's --host-cost: a cuBLAS heuristic
     query for each new row count). On CUDA the op asks cuBLASLt's heuristic once per problem class and row-count
-    bucket (csrc/moe_dispatch/moe_expert_gemm.cpp): ``row_bucket`` "octave" (8 buckets an octave), a positive row
-    step (multiples of it), "exact" (a ~0.1 ms heuristic query for every new row count) or "blocks" (the exact
-    choice, asked once per block of 8 counts and per multiple of 8: see bucket() there); only CUDA's choice of
+    bucket (csrc/moe_dispatch/moe_expert_gemm.cpp): ``row_bucket`` "blocks" (the default: the exact choice, asked
+    once per block of 8 counts and per multiple of 8, see bucket() there), "octave" (8 buckets an octave), a
+    positive row step (multiples of it) or "exact" (a ~0.1 ms heuristic query for every new row count); only CUDA's choice of
     algorithm depends on it, never the arithmetic's precision, and each is a function of the row count alone.
     fp32 accumulation; split-K sums only in fp32.
     ``impl`` as in :func:`moe_permute`.

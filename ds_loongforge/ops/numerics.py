@@ -363,7 +363,7 @@ def skewed_counts(rows: int, experts: int, generator: torch.Generator | None = N
 
 def expert_linear_checks(counts: list[int], in_features: int, out_features: int, dtype: torch.dtype, device: str,
                          impl: str, generator: torch.Generator | None = None,
-                         row_bucket: int | str = "octave") -> list[CheckResult]:
+                         row_bucket: int | str = "blocks") -> list[CheckResult]:
     """expert_linear_backward(impl, row_bucket) vs fp64: dx and dw, each within 2x the error of the same per-expert
     products by torch.mm in ``dtype`` (expert_linear_backward_reference). Experts without rows must get exact
     zeros."""

@@ -269,3 +269,17 @@ def test_aux_losses_match_their_formulas():
 def test_bad_configs_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ExpertMaskedMoE(8, 8, **kwargs)
+
+
+def test_expert_gemm_rows_env_picks_the_grouping_and_rejects_bad_values(monkeypatch):
+    from ds_loongforge.modules.moe import expert_gemm_row_bucket
+
+    monkeypatch.delenv("LOONGFORGE_EXPERT_GEMM_ROWS", raising=False)
+    assert expert_gemm_row_bucket() == "blocks"
+    for value, want in (("octave", "octave"), ("exact", "exact"), ("64", 64)):
+        monkeypatch.setenv("LOONGFORGE_EXPERT_GEMM_ROWS", value)
+        assert expert_gemm_row_bucket() == want
+    for bad in ("tile", "0", "-8", ""):
+        monkeypatch.setenv("LOONGFORGE_EXPERT_GEMM_ROWS", bad)
+        with pytest.raises(ValueError, match=f"LOONGFORGE_EXPERT_GEMM_ROWS must be one of .* got {bad!r}"):
+            expert_gemm_row_bucket()
