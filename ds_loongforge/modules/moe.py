@@ -52,8 +52,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing, moe_permute,
-                                            moe_unpermute, sort_routing_keys)
+from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing,
+                                            moe_permute, moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
 

@@ -264,8 +264,9 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     query for each new row count). On CUDA the op asks cuBLASLt's heuristic once per problem class and row-count
     bucket (csrc/moe_dispatch/moe_expert_gemm.cpp): ``row_bucket`` "blocks" (the default: the exact choice, asked
     once per block of 8 counts and per multiple of 8, see bucket() there), "octave" (8 buckets an octave), a
-    positive row step (multiples of it) or "exact" (a ~0.1 ms heuristic query for every new row count); only CUDA's choice of
-    algorithm depends on it, never the arithmetic's precision, and each is a function of the row count alone.
+    positive row step (multiples of it) or "exact" (a ~0.1 ms heuristic query for every new row count); only
+    CUDA's choice of algorithm depends on it, never the arithmetic's precision, and each is a function of the row
+    count alone.
     fp32 accumulation; split-K sums only in fp32.
     ``impl`` as in :func:`moe_permute`.
     """
