@@ -324,6 +324,17 @@ def algo_map(tokens: int, hidden: int, inter: int, experts: int, top_k: int, lo:
     return out
 
 
+def algo_rows(text: str) -> tuple[int, int]:
+    """--algo-rows LO:HI, checked: 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--algo-rows {text!r}: expected LO:HI, two integers (e.g. 1:12288)") from None
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"--algo-rows {text!r}: need 1 <= LO <= HI")
+    return lo, hi
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -334,6 +345,8 @@ def main() -> None:
                         help="device time of the row-count groupings, paired on the same draws (see above)")
     parser.add_argument("--algo-map", action="store_true",
                         help="cuBLASLt's exact choice over row counts around each shape's mean (see algo_map)")
+    parser.add_argument("--algo-rows", default=None, metavar="LO:HI",
+                        help="--algo-map's row counts (default: half to three times each shape's mean)")
     args = parser.parse_args()
     wanted = args.shapes.split(",")
     if args.algo_map:
@@ -341,7 +354,10 @@ def main() -> None:
         for name, *shape in SHAPES:
             if name in wanted:
                 mean = shape[0] * shape[4] // shape[3]
-                report["shapes"][name] = algo_map(*shape, lo=mean // 2, hi=mean * 3)
+                lo, hi = mean // 2, mean * 3
+                if args.algo_rows:
+                    lo, hi = algo_rows(args.algo_rows)
+                report["shapes"][name] = algo_map(*shape, lo=lo, hi=hi)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "diagnose_expert_gemm_algo_map.json").write_text(json.dumps(report))
