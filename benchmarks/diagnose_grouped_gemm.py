@@ -348,6 +348,7 @@ def main() -> None:
     parser.add_argument("--algo-rows", default=None, metavar="LO:HI",
                         help="--algo-map's row counts (default: half to three times each shape's mean)")
     args = parser.parse_args()
+    rows_range = algo_rows(args.algo_rows) if args.algo_rows else None
     wanted = args.shapes.split(",")
     if args.algo_map:
         report = {"env": environment(), "shapes": {}}
@@ -355,8 +356,8 @@ def main() -> None:
             if name in wanted:
                 mean = shape[0] * shape[4] // shape[3]
                 lo, hi = mean // 2, mean * 3
-                if args.algo_rows:
-                    lo, hi = algo_rows(args.algo_rows)
+                if rows_range:
+                    lo, hi = rows_range
                 report["shapes"][name] = algo_map(*shape, lo=lo, hi=hi)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
