@@ -14,6 +14,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <cstdio>
 #include <sstream>
 #include <string>
@@ -112,6 +113,17 @@ std::string lf_msg(const Args&... args) {
     }()
 
 namespace loongforge {
+
+// v stored in T and read back: where an unfused PyTorch op would store an intermediate in the activation dtype
+// (the "stock" rounding of the fused ops). The identity for float.
+template <typename T>
+LF_HOST_DEVICE float lf_round_to(float v) {
+    if constexpr (std::is_same_v<T, float>) {
+        return v;
+    } else {
+        return static_cast<float>(static_cast<T>(v));
+    }
+}
 
 // Philox4x32-10 (Salmon et al., SC'11), the generator cuRAND and PyTorch use. Counter-based: the
 // random word for a given (key, counter) needs no state, so backward regenerates forward's mask.

@@ -5,7 +5,7 @@ namespace loongforge {
 
 std::vector<at::Tensor> rmsnorm_fwd_cuda(const at::Tensor& x,
                                          const c10::optional<at::Tensor>& residual,
-                                         const at::Tensor& weight, double eps) {
+                                         const at::Tensor& weight, double eps, bool stock_rounding) {
     check_rmsnorm_fwd_args(x, residual, weight, eps, c10::DeviceType::CUDA);
     const bool has_res = residual.has_value() && residual->defined();
     const c10::cuda::CUDAGuard guard(x.device());
@@ -45,11 +45,11 @@ std::vector<at::Tensor> rmsnorm_fwd_cuda(const at::Tensor& x,
                     if (has_res) {
                         rmsnorm_fwd_kernel<T, W, V, VPT, true><<<blocks, block, 0, stream>>>(
                             xp, x.stride(0), rp, rs, wp, y.data_ptr<T>(), hp,
-                            rstd.data_ptr<float>(), rows, hidden, feps);
+                            rstd.data_ptr<float>(), rows, hidden, feps, stock_rounding);
                     } else {
                         rmsnorm_fwd_kernel<T, W, V, VPT, false><<<blocks, block, 0, stream>>>(
                             xp, x.stride(0), rp, rs, wp, y.data_ptr<T>(), hp,
-                            rstd.data_ptr<float>(), rows, hidden, feps);
+                            rstd.data_ptr<float>(), rows, hidden, feps, stock_rounding);
                     }
                 });
             } else {
@@ -58,11 +58,11 @@ std::vector<at::Tensor> rmsnorm_fwd_cuda(const at::Tensor& x,
                     if (has_res) {
                         rmsnorm_fwd_streaming_kernel<T, W, V, true><<<blocks, plan.tpr, 0, stream>>>(
                             xp, x.stride(0), rp, rs, wp, y.data_ptr<T>(), hp,
-                            rstd.data_ptr<float>(), rows, hidden, feps);
+                            rstd.data_ptr<float>(), rows, hidden, feps, stock_rounding);
                     } else {
                         rmsnorm_fwd_streaming_kernel<T, W, V, false><<<blocks, plan.tpr, 0, stream>>>(
                             xp, x.stride(0), rp, rs, wp, y.data_ptr<T>(), hp,
-                            rstd.data_ptr<float>(), rows, hidden, feps);
+                            rstd.data_ptr<float>(), rows, hidden, feps, stock_rounding);
                     }
                 };
                 if (plan.vec == 1) launch.template operator()<1>();

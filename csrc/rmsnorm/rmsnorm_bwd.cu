@@ -5,7 +5,7 @@ namespace loongforge {
 
 std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor& h,
                                          const at::Tensor& rstd, const at::Tensor& weight,
-                                         const c10::optional<at::Tensor>& dresidual) {
+                                         const c10::optional<at::Tensor>& dresidual, bool stock_rounding) {
     check_rmsnorm_bwd_args(dy, h, rstd, weight, dresidual, c10::DeviceType::CUDA);
     const bool has_dres = dresidual.has_value() && dresidual->defined();
     const c10::cuda::CUDAGuard guard(h.device());
@@ -53,8 +53,17 @@ std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor&
                                                              partial.data_ptr<float>(), rows,
                                                              hidden);
                     };
-                    if (has_dres) run(rmsnorm_bwd_kernel<T, W, V, VPT, true>);
-                    else run(rmsnorm_bwd_kernel<T, W, V, VPT, false>);
+                    // fp32 activations have nothing to round: one instance serves both roundings
+                    if constexpr (std::is_same_v<T, float>) {
+                        if (has_dres) run(rmsnorm_bwd_kernel<T, W, V, VPT, true, false>);
+                        else run(rmsnorm_bwd_kernel<T, W, V, VPT, false, false>);
+                    } else if (stock_rounding) {
+                        if (has_dres) run(rmsnorm_bwd_kernel<T, W, V, VPT, true, true>);
+                        else run(rmsnorm_bwd_kernel<T, W, V, VPT, false, true>);
+                    } else {
+                        if (has_dres) run(rmsnorm_bwd_kernel<T, W, V, VPT, true, false>);
+                        else run(rmsnorm_bwd_kernel<T, W, V, VPT, false, false>);
+                    }
                 });
             } else {
                 auto launch = [&]<int V>() {
@@ -65,7 +74,7 @@ std::vector<at::Tensor> rmsnorm_bwd_cuda(const at::Tensor& dy, const at::Tensor&
                                                                 rstd.data_ptr<float>(), wp, drp,
                                                                 dx.data_ptr<T>(),
                                                                 partial.data_ptr<float>(), rows,
-                                                                hidden);
+                                                                hidden, stock_rounding);
                     };
                     if (has_dres) run(rmsnorm_bwd_streaming_kernel<T, W, V, true>);
                     else run(rmsnorm_bwd_streaming_kernel<T, W, V, false>);

@@ -1,10 +1,12 @@
-// Fused RMSNorm on the CPU: the same arithmetic as rmsnorm.cu (fp32 accumulation, one rounding per
-// output). Rows are split over ATen's thread pool; sums use 8 independent accumulators so the compiler
-// can vectorize them. dw is summed per fixed row chunk and the chunks are added in order, so the result
-// does not depend on the number of threads.
+// Fused RMSNorm on the CPU: the same arithmetic as rmsnorm.cu (fp32 accumulation; one rounding per output, or
+// with stock_rounding the roundings of transformers' eager RMSNorm and its autograd, see rmsnorm_kernels.cuh).
+// Rows are split over ATen's thread pool; sums use 8 independent accumulators so the compiler can vectorize them.
+// dw is summed per fixed row chunk and the chunks are added in order, so the result does not depend on the number
+// of threads.
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "rmsnorm_checks.h"
@@ -22,7 +24,7 @@ inline float lane_sum(const float (&acc)[kLanes]) {
 template <typename T, typename W>
 void fwd_rows(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w, T* y,
               T* h_out, float* rstd_out, int64_t row_begin, int64_t row_end, int64_t hidden,
-              float eps, std::vector<float>& buf) {
+              float eps, bool stock, std::vector<float>& buf) {
     for (int64_t row = row_begin; row < row_end; ++row) {
         const T* xr = x + row * x_stride;
         float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -41,8 +43,14 @@ void fwd_rows(const T* x, int64_t x_stride, const T* res, int64_t res_stride, co
         const float rstd = 1.f / std::sqrt(lane_sum(acc) / static_cast<float>(hidden) + eps);
         rstd_out[row] = rstd;
         T* yr = y + row * hidden;
-        for (int64_t c = 0; c < hidden; ++c) {
-            yr[c] = static_cast<T>(buf[c] * rstd * static_cast<float>(w[c]));
+        if (stock) {
+            for (int64_t c = 0; c < hidden; ++c) {
+                yr[c] = static_cast<T>(lf_round_to<T>(buf[c] * rstd) * static_cast<float>(w[c]));
+            }
+        } else {
+            for (int64_t c = 0; c < hidden; ++c) {
+                yr[c] = static_cast<T>(buf[c] * rstd * static_cast<float>(w[c]));
+            }
         }
     }
 }
@@ -50,17 +58,28 @@ void fwd_rows(const T* x, int64_t x_stride, const T* res, int64_t res_stride, co
 template <typename T, typename W>
 void bwd_rows(const T* dy, const T* h, int64_t h_stride, const float* rstd_in, const W* w,
               const T* dres, T* dx, float* dw_acc, int64_t row_begin, int64_t row_end,
-              int64_t hidden, std::vector<float>& xhat, std::vector<float>& g) {
+              int64_t hidden, bool stock, std::vector<float>& xhat, std::vector<float>& g) {
+    constexpr bool kSameType = std::is_same_v<T, W>;  // autograd stores dy * rnd(xhat) in T when w is T
     for (int64_t row = row_begin; row < row_end; ++row) {
         const T* hr = h + row * h_stride;
         const T* dyr = dy + row * hidden;
         const float rstd = rstd_in[row];
         float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int64_t c = 0; c < hidden; ++c) {
-            const float d = static_cast<float>(dyr[c]);
-            xhat[c] = static_cast<float>(hr[c]) * rstd;
-            g[c] = d * static_cast<float>(w[c]);
-            dw_acc[c] += d * xhat[c];
+        if (stock) {
+            for (int64_t c = 0; c < hidden; ++c) {
+                const float d = static_cast<float>(dyr[c]);
+                xhat[c] = static_cast<float>(hr[c]) * rstd;
+                g[c] = lf_round_to<T>(d * static_cast<float>(w[c]));  // the gradient of the stored rnd(xhat)
+                const float p = d * lf_round_to<T>(xhat[c]);
+                dw_acc[c] += kSameType ? lf_round_to<T>(p) : p;
+            }
+        } else {
+            for (int64_t c = 0; c < hidden; ++c) {
+                const float d = static_cast<float>(dyr[c]);
+                xhat[c] = static_cast<float>(hr[c]) * rstd;
+                g[c] = d * static_cast<float>(w[c]);
+                dw_acc[c] += d * xhat[c];
+            }
         }
         for (int64_t c = 0; c < hidden; ++c) acc[c % kLanes] += xhat[c] * g[c];
         const float dot = lane_sum(acc) / static_cast<float>(hidden);
@@ -82,7 +101,7 @@ void bwd_rows(const T* dy, const T* h, int64_t h_stride, const float* rstd_in, c
 
 std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
                                         const c10::optional<at::Tensor>& residual,
-                                        const at::Tensor& weight, double eps) {
+                                        const at::Tensor& weight, double eps, bool stock_rounding) {
     check_rmsnorm_fwd_args(x, residual, weight, eps, c10::DeviceType::CPU);
     const bool has_res = residual.has_value() && residual->defined();
     const int64_t rows = x.size(0);
@@ -100,7 +119,7 @@ std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
                 std::vector<float> buf(hidden);
                 fwd_rows<T, W>(x.data_ptr<T>(), x.stride(0), rp, rs, weight.data_ptr<W>(),
                                y.data_ptr<T>(), hp, rstd.data_ptr<float>(), begin, end, hidden,
-                               static_cast<float>(eps), buf);
+                               static_cast<float>(eps), stock_rounding, buf);
             });
         });
     });
@@ -109,7 +128,7 @@ std::vector<at::Tensor> rmsnorm_fwd_cpu(const at::Tensor& x,
 
 std::vector<at::Tensor> rmsnorm_bwd_cpu(const at::Tensor& dy, const at::Tensor& h,
                                         const at::Tensor& rstd, const at::Tensor& weight,
-                                        const c10::optional<at::Tensor>& dresidual) {
+                                        const c10::optional<at::Tensor>& dresidual, bool stock_rounding) {
     check_rmsnorm_bwd_args(dy, h, rstd, weight, dresidual, c10::DeviceType::CPU);
     const bool has_dres = dresidual.has_value() && dresidual->defined();
     const int64_t rows = h.size(0);
@@ -130,7 +149,8 @@ std::vector<at::Tensor> rmsnorm_bwd_cpu(const at::Tensor& dy, const at::Tensor& 
                     const int64_t re = rows * (chunk + 1) / chunks;
                     bwd_rows<T, W>(dy.data_ptr<T>(), h.data_ptr<T>(), h.stride(0),
                                    rstd.data_ptr<float>(), weight.data_ptr<W>(), drp,
-                                   dx.data_ptr<T>(), pp + chunk * hidden, rb, re, hidden, xhat, g);
+                                   dx.data_ptr<T>(), pp + chunk * hidden, rb, re, hidden, stock_rounding, xhat,
+                                   g);
                 }
             });
             W* dwp = dw.data_ptr<W>();

@@ -5,6 +5,14 @@
 //   backward: xhat = h * rstd, g = w * dy
 //             dx = rstd * (g - xhat * mean(xhat * g)) [+ d(h_out)],  dw = sum_rows(dy * xhat)
 //
+// That is the "once" rounding. With `stock` (the default of the op) the kernels round where transformers'
+// eager RMSNorm does, `weight * (h * rstd).to(dtype)`, and where its autograd stores intermediates:
+//   y = rnd(rnd(xhat) * w);  g = rnd(w * dy) (autograd stores the gradient of the rounded xhat in its dtype);
+//   dw = sum_rows(rnd(dy * rnd(xhat))) when w has h's dtype (a 16-bit product), sum_rows(dy * rnd(xhat)) when w
+//   is float32; rnd = lf_round_to<T>, the identity for float32 activations. The flag is a kernel argument (a
+// uniform branch), not a template parameter, so the JIT build compiles no more kernels; except in the register
+// path's backward (see there).
+//
 // Layout: rows of `hidden` elements; inputs may have a row stride, elements in a row are adjacent.
 // Preconditions of the register path: hidden % V == 0, every row start 16-byte aligned; each thread
 // keeps VPT vectors of its row in registers, so the row is read from memory once per pass. Otherwise
@@ -22,6 +30,25 @@ namespace {
 
 constexpr int kRowsSmem = 8 * 32;  // 32 floats per row slot; row slots per block <= 8 when tpr >= 32
 
+// The two roundings as selects on one expression (no second copy of the loop body, which cost the 64-register
+// backward kernels their spill-free code): xhat as the forward stores it, the input gradient w * dy as autograd
+// stores the gradient of that xhat, and dw's term dy * xhat, stored in T by autograd when w is T.
+template <typename T>
+__device__ __forceinline__ float normed(float xhat, bool stock) {
+    return stock ? lf_round_to<T>(xhat) : xhat;
+}
+
+template <typename T>
+__device__ __forceinline__ float grad_in(float wdy, bool stock) {
+    return stock ? lf_round_to<T>(wdy) : wdy;
+}
+
+template <typename T, typename W>
+__device__ __forceinline__ float dw_term(float dy, float xhat, bool stock) {
+    const float p = dy * normed<T>(xhat, stock);
+    return stock && std::is_same_v<T, W> ? lf_round_to<T>(p) : p;
+}
+
 template <int VPT>
 constexpr int max_threads_for_vpt() {
     return VPT <= 2 ? 1024 : 512;
@@ -32,7 +59,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
     rmsnorm_fwd_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ res,
                        int64_t res_stride, const W* __restrict__ w, T* __restrict__ y,
                        T* __restrict__ h_out, float* __restrict__ rstd_out, int64_t rows, int hidden,
-                       float eps) {
+                       float eps, bool stock) {
     __shared__ float smem[kRowsSmem];
     const int tpr = blockDim.x;
     const int n_vec = hidden / V;
@@ -75,7 +102,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                 Vec<T, V> yv;
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
-                    yv.val[j] = static_cast<T>(static_cast<float>(hv[k].val[j]) * rstd *
+                    yv.val[j] = static_cast<T>(normed<T>(static_cast<float>(hv[k].val[j]) * rstd, stock) *
                                                static_cast<float>(wv.val[j]));
                 }
                 store_vec<T, V>(y + row * hidden + c * V, yv);
@@ -84,12 +111,15 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
     }
 }
 
-template <typename T, typename W, int V, int VPT, bool DRES>
+// STOCK is a template parameter here, unlike in the other kernels: as a runtime select it raised the spills of the
+// 64-register (VPT = 2) instances from 2-16 to 20-48 bytes.
+template <typename T, typename W, int V, int VPT, bool DRES, bool STOCK>
 __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
     rmsnorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ h, int64_t h_stride,
                        const float* __restrict__ rstd_in, const W* __restrict__ w,
                        const T* __restrict__ dres, T* __restrict__ dx,
                        float* __restrict__ dw_partial, int64_t rows, int hidden) {
+    constexpr bool stock = STOCK;
     __shared__ float smem[kRowsSmem];
     const int tpr = blockDim.x;
     const int n_vec = hidden / V;
@@ -118,8 +148,8 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                 for (int j = 0; j < V; ++j) {
                     const float d = static_cast<float>(dv[k].val[j]);
                     const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
-                    dot += xhat * d * static_cast<float>(wv.val[j]);
-                    acc[k][j] += d * xhat;
+                    dot += xhat * grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
+                    acc[k][j] += dw_term<T, W>(d, xhat, stock);
                 }
             }
         }
@@ -135,7 +165,8 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
-                    const float g = static_cast<float>(dv[k].val[j]) * static_cast<float>(wv.val[j]);
+                    const float d = static_cast<float>(dv[k].val[j]);
+                    const float g = grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
                     float v = rstd * (g - xhat * dot);
                     if constexpr (DRES) v += static_cast<float>(rv.val[j]);
                     out.val[j] = static_cast<T>(v);
@@ -165,7 +196,7 @@ __global__ void __launch_bounds__(1024)
                                  const T* __restrict__ res, int64_t res_stride,
                                  const W* __restrict__ w, T* __restrict__ y, T* __restrict__ h_out,
                                  float* __restrict__ rstd_out, int64_t rows, int hidden,
-                                 float eps) {
+                                 float eps, bool stock) {
     __shared__ float smem[kRowsSmem];
     const int n_vec = hidden / V;
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -197,7 +228,7 @@ __global__ void __launch_bounds__(1024)
             Vec<T, V> yv;
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                yv.val[j] = static_cast<T>(static_cast<float>(hv.val[j]) * rstd *
+                yv.val[j] = static_cast<T>(normed<T>(static_cast<float>(hv.val[j]) * rstd, stock) *
                                            static_cast<float>(wv.val[j]));
             }
             store_vec<T, V>(y + row * hidden + c * V, yv);
@@ -212,7 +243,7 @@ __global__ void __launch_bounds__(1024)
                                  int64_t h_stride, const float* __restrict__ rstd_in,
                                  const W* __restrict__ w, const T* __restrict__ dres,
                                  T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
-                                 int hidden) {
+                                 int hidden, bool stock) {
     __shared__ float smem[kRowsSmem];
     const int n_vec = hidden / V;
     float* my_partial = dw_partial + static_cast<int64_t>(blockIdx.x) * hidden;
@@ -225,8 +256,8 @@ __global__ void __launch_bounds__(1024)
             const Vec<W, V> wv = load_vec<W, V>(w + c * V);
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                dot += static_cast<float>(hv.val[j]) * rstd * static_cast<float>(dv.val[j]) *
-                       static_cast<float>(wv.val[j]);
+                const float d = static_cast<float>(dv.val[j]);
+                dot += static_cast<float>(hv.val[j]) * rstd * grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
             }
         }
         dot = row_allreduce_sum(dot, smem, blockDim.x) / static_cast<float>(hidden);
@@ -240,10 +271,11 @@ __global__ void __launch_bounds__(1024)
             for (int j = 0; j < V; ++j) {
                 const float xhat = static_cast<float>(hv.val[j]) * rstd;
                 const float d = static_cast<float>(dv.val[j]);
-                float v = rstd * (d * static_cast<float>(wv.val[j]) - xhat * dot);
+                const float g = grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
+                float v = rstd * (g - xhat * dot);
                 if constexpr (DRES) v += static_cast<float>(dres[row * hidden + c * V + j]);
                 out.val[j] = static_cast<T>(v);
-                pv.val[j] += d * xhat;
+                pv.val[j] += dw_term<T, W>(d, xhat, stock);
             }
             store_vec<float, V>(my_partial + c * V, pv);
             store_vec<T, V>(dx + row * hidden + c * V, out);

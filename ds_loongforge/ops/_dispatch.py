@@ -37,6 +37,23 @@ def strict_ops() -> bool:
     return os.environ.get(_STRICT_ENV, "0").lower() in ("1", "true", "yes")
 
 
+# Where a fused elementwise op rounds to a 16-bit activation dtype. "stock": where transformers' eager modules
+# round (each op of the unfused expression stores its result in the activation dtype: RMSNorm rounds h * rstd
+# before the weight multiplies it, SwiGLU rounds silu(gate) before up multiplies it, and the backward rounds the
+# same intermediate products), so a fused model keeps the stock model's numerics up to fp32 summation order and
+# the last bits of exp/rsqrt; as Liger-Kernel's casting modes do. "once": fp32 throughout, one rounding per
+# output (more accurate than stock, and different from it). fp32/fp64 tensors are the same under both.
+ROUNDINGS = ("stock", "once")
+
+
+def check_rounding(op: str, rounding: str) -> bool:
+    """Validates ``rounding`` and returns whether it is "stock" (the kernels' flag)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{op}: rounding={rounding!r} is not one of {ROUNDINGS}; \"stock\" rounds where "
+                         f"transformers' eager modules do, \"once\" keeps fp32 to the end")
+    return rounding == "stock"
+
+
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")

@@ -102,8 +102,8 @@ def _rmsnorm_reference_stored_residual(x, weight, eps, residual, dtype):
 def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl: str,
                    residual: bool = False, weight_dtype: torch.dtype | None = None, eps: float = 1e-6,
                    x: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                   keep_input: bool = False) -> list[CheckResult]:
-    """Forward and all gradients of fused_rmsnorm(impl) vs fp64, each with its 2x-PyTorch tolerance.
+                   keep_input: bool = False, rounding: str = "stock") -> list[CheckResult]:
+    """Forward and all gradients of fused_rmsnorm(impl, rounding) vs fp64, each with its 2x-PyTorch tolerance.
 
     ``x`` may be given (e.g. a non-contiguous view); otherwise it is drawn at random. ``keep_input``: the op
     also returns x, and a second upstream gradient comes back through it (dx is the sum of both paths).
@@ -119,7 +119,7 @@ def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl
     dy = torch.randn(x.shape, dtype=dtype, **kw)
     dh = torch.randn(x.shape, dtype=dtype, **kw) if residual or keep_input else None
     label = (f"rmsnorm {impl} {str(dtype)[6:]} {tuple(x.shape)}{' +res' if residual else ''}"
-             f"{' +keep_input' if keep_input else ''}")
+             f"{' +keep_input' if keep_input else ''}{' rounding once' if rounding == 'once' else ''}")
     two_outputs = residual or keep_input
 
     def run(fn, cast):
@@ -135,7 +135,8 @@ def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl
     def keeping(norm):  # the plain-PyTorch forms return x through a view, whose gradient autograd adds
         return lambda a, b, c: (norm(a, b, c), a.view_as(a)) if keep_input else norm(a, b, c)
 
-    ours = run(lambda a, b, c: fused_rmsnorm(a, b, eps, residual=c, impl=impl, keep_input=keep_input), dtype)
+    ours = run(lambda a, b, c: fused_rmsnorm(a, b, eps, residual=c, impl=impl, keep_input=keep_input,
+                                             rounding=rounding), dtype)
     ref = run(keeping(lambda a, b, c: _rmsnorm_reference_stored_residual(a, b, eps, c, dtype)), torch.float64)
     eager = run(keeping(lambda a, b, c: hf_rmsnorm_eager(a, b, eps, residual=c)), dtype)
     # dx = rstd * (w*dy - xhat * mean(xhat * w*dy)) cancels terms of size rstd*|w*dy| (all of it when

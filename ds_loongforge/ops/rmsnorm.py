@@ -9,6 +9,12 @@ back through the returned x is added to the norm's input gradient inside the bac
 path), where autograd would add the two with one more kernel.
 
 Shapes: x [..., H], weight [H] (x's dtype or float32), residual like x. The output has x's dtype.
+
+Rounding (``rounding=``, see ``ops._dispatch.ROUNDINGS``): "stock" (the default) rounds where transformers' eager
+RMSNorm, ``weight * (x * rstd).to(dtype)``, and its autograd round: y = rnd(rnd(x * rstd) * w); in backward
+w * dy is rounded to x's dtype (the gradient of the rounded x * rstd), and so is dy * rnd(x * rstd) when the weight
+has that dtype, before dx's fp32 formula and dw's fp32 row sum. "once": fp32 to the end, one rounding per output.
+fp32 inputs compute the same under both.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
-from ds_loongforge.ops._dispatch import as_rows, kernel_for
+from ds_loongforge.ops._dispatch import as_rows, check_rounding, kernel_for
 
 _BUILDERS = {"cuda": FusedRMSNormBuilder, "cpu": FusedRMSNormCPUBuilder}
 
@@ -26,26 +32,34 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                      residual: torch.Tensor | None = None):
-    """Plain PyTorch with the kernel's semantics: fp32 math (fp64 for fp64 inputs), one rounding."""
+                      residual: torch.Tensor | None = None, rounding: str = "stock"):
+    """Plain PyTorch with the kernel's semantics: fp32 math (fp64 for fp64 inputs), rounded as ``rounding`` says.
+
+    "stock" is transformers' expression, ``weight * (h * rstd).to(dtype)``, so autograd's backward rounds where
+    the stock module's does; "once" rounds the fp32 product once."""
+    stock = check_rounding("rmsnorm_reference", rounding)
     h = x if residual is None else x + residual
     acc = _compute_dtype(h.dtype)
     hf = h.to(acc)
-    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
-    y = y.to(h.dtype)
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if stock and acc != h.dtype:
+        y = (weight * normed.to(h.dtype)).to(h.dtype)
+    else:
+        y = (normed * weight.to(acc)).to(h.dtype)
     return y if residual is None else (y, h)
 
 
 class _FusedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, kernel, keep_input=False):
+    def forward(ctx, x, weight, residual, eps, kernel, keep_input=False, stock=True):
         shape = x.shape
         x_rows = as_rows(x)
-        y, h, rstd = kernel.forward(x_rows, None if residual is None else as_rows(residual), weight, eps)
+        y, h, rstd = kernel.forward(x_rows, None if residual is None else as_rows(residual), weight, eps, stock)
         has_residual = residual is not None
         ctx.save_for_backward(h if has_residual else x_rows, rstd, weight)
         ctx.kernel = kernel
+        ctx.stock = stock
         ctx.has_residual = has_residual
         ctx.shape = shape
         if has_residual:
@@ -60,19 +74,21 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         h, rstd, weight = ctx.saved_tensors
         hidden = ctx.shape[-1]
         dres = None if dh is None else dh.reshape(-1, hidden).contiguous()
-        dx, dw = ctx.kernel.backward(dy.reshape(-1, hidden).contiguous(), h, rstd, weight, dres)
+        dx, dw = ctx.kernel.backward(dy.reshape(-1, hidden).contiguous(), h, rstd, weight, dres, ctx.stock)
         dx = dx.view(ctx.shape)
-        return dx, dw, (dx if ctx.has_residual else None), None, None, None
+        return dx, dw, (dx if ctx.has_residual else None), None, None, None, None
 
 
 def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                  residual: torch.Tensor | None = None, impl: str = "auto", keep_input: bool = False):
+                  residual: torch.Tensor | None = None, impl: str = "auto", keep_input: bool = False,
+                  rounding: str = "stock"):
     """RMSNorm of the last dimension; with ``residual`` it returns ``(y, x + residual)``, with ``keep_input``
     ``(y, x)`` (the gradient through that x joins the norm's input gradient in the backward kernel).
 
     ``impl``: "auto" (kernel for the tensor's device, reference if it cannot be built), "cuda", "cpu",
-    or "reference".
+    or "reference". ``rounding``: "stock" (transformers' roundings) or "once" (see the module docstring).
     """
+    stock = check_rounding("fused_rmsnorm", rounding)
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ValueError(f"fused_rmsnorm: weight shape {tuple(weight.shape)} does not match the hidden size "
                          f"{x.shape[-1]} of x {tuple(x.shape)}; weight must be [hidden]")
@@ -87,6 +103,6 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
     if kernel is None:
-        y = rmsnorm_reference(x, weight, eps, residual)
+        y = rmsnorm_reference(x, weight, eps, residual, rounding)
         return (y, x) if keep_input else y
-    return _FusedRMSNormFunction.apply(x, weight, residual, float(eps), kernel, bool(keep_input))
+    return _FusedRMSNormFunction.apply(x, weight, residual, float(eps), kernel, bool(keep_input), stock)
