@@ -3,7 +3,8 @@
 
 namespace loongforge {
 
-at::Tensor swiglu_fwd_cuda(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset) {
+at::Tensor swiglu_fwd_cuda(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset,
+                           bool stock_rounding) {
     check_swiglu_fwd_args(gate_up, p, c10::DeviceType::CUDA);
     const DropoutArgs d = make_dropout_args(p, seed, offset);
     const c10::cuda::CUDAGuard guard(gate_up.device());
@@ -22,10 +23,12 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& gate_up, double p, int64_t seed, in
             const Launch l = launch_for(rows, inter / V);
             if (p > 0.0) {
                 swiglu_fwd_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
-                    gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows, inter, d);
+                    gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows, inter, d,
+                    stock_rounding);
             } else {
                 swiglu_fwd_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
-                    gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows, inter, d);
+                    gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows, inter, d,
+                    stock_rounding);
             }
         };
         if (vec_ok) launch.template operator()<16 / sizeof(T)>();

@@ -4,7 +4,7 @@
 namespace loongforge {
 
 at::Tensor swiglu_bwd_cuda(const at::Tensor& dout, const at::Tensor& gate_up, double p, int64_t seed,
-                           int64_t offset) {
+                           int64_t offset, bool stock_rounding) {
     check_swiglu_bwd_args(dout, gate_up, p, c10::DeviceType::CUDA);
     const DropoutArgs d = make_dropout_args(p, seed, offset);
     const c10::cuda::CUDAGuard guard(gate_up.device());
@@ -24,11 +24,11 @@ at::Tensor swiglu_bwd_cuda(const at::Tensor& dout, const at::Tensor& gate_up, do
             if (p > 0.0) {
                 swiglu_bwd_kernel<T, V, true><<<l.grid, l.block, 0, stream>>>(
                     dout.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.stride(0),
-                    dgate_up.data_ptr<T>(), rows, inter, d);
+                    dgate_up.data_ptr<T>(), rows, inter, d, stock_rounding);
             } else {
                 swiglu_bwd_kernel<T, V, false><<<l.grid, l.block, 0, stream>>>(
                     dout.data_ptr<T>(), gate_up.data_ptr<T>(), gate_up.stride(0),
-                    dgate_up.data_ptr<T>(), rows, inter, d);
+                    dgate_up.data_ptr<T>(), rows, inter, d, stock_rounding);
             }
         };
         if (vec_ok) launch.template operator()<16 / sizeof(T)>();

@@ -1,5 +1,11 @@
 // Fused SwiGLU + dropout on the CPU: same formulas and the same Philox mask as swiglu.cu, so CPU and
-// CUDA results agree bit for bit in the mask and to rounding in the values.
+// CUDA results agree bit for bit in the mask and to rounding in the values. Both roundings of
+// swiglu_kernels.cuh: "once" (stock_rounding == false) computes each output in fp32 and rounds it once;
+// "stock" rounds 16-bit intermediates where transformers' eager `silu(gate) * up` and its autograd do
+// (rnd = lf_round_to<T>):
+//   forward:  a = rnd(g / (1 + exp(-g)));  h = rnd(a * u);  out = keep ? rnd(h * scale) : 0
+//   backward: dh = keep ? rnd(dout * scale) : 0;  du = rnd(dh * a);  dg = rnd(rnd(dh * u) * s * (1 + g * (1 - s)))
+// Float32 tensors run the once code under both (every rnd would be the identity).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -10,6 +16,9 @@ namespace loongforge {
 namespace {
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+// torch's silu expression, rounded to T by the stock rounding (x * sigmoid(x) rounds to other T values at times)
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 struct MaskRow {
     uint64_t seed, offset;
@@ -29,7 +38,8 @@ struct MaskRow {
 
 }  // namespace
 
-at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset) {
+at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int64_t offset,
+                          bool stock_rounding) {
     check_swiglu_fwd_args(gate_up, p, c10::DeviceType::CPU);
     const int64_t rows = gate_up.size(0);
     const int64_t inter = gate_up.size(1) / 2;
@@ -39,6 +49,7 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int
     const float scale = static_cast<float>(1.0 / (1.0 - p));
     LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_fwd_cpu", [&] {
         using T = scalar_t;
+        const bool stock = stock_rounding && sizeof(T) < sizeof(float);
         const T* in = gate_up.data_ptr<T>();
         T* o = out.data_ptr<T>();
         const int64_t stride = gate_up.stride(0);
@@ -50,6 +61,14 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int
                 T* orow = o + n * inter;
                 for (int64_t i = 0; i < inter; ++i) {
                     const float gf = static_cast<float>(g[i]);
+                    if (stock) {  // the store rounds the last product
+                        float v = lf_round_to<T>(silu(gf)) * static_cast<float>(u[i]);
+                        if (dropout) {
+                            v = mask.keep(static_cast<uint64_t>(n * inter + i)) ? lf_round_to<T>(v) * scale : 0.f;
+                        }
+                        orow[i] = static_cast<T>(v);
+                        continue;
+                    }
                     float v = gf * sigmoid(gf) * static_cast<float>(u[i]);
                     if (dropout) v = mask.keep(static_cast<uint64_t>(n * inter + i)) ? v * scale : 0.f;
                     orow[i] = static_cast<T>(v);
@@ -61,7 +80,7 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& gate_up, double p, int64_t seed, int
 }
 
 at::Tensor swiglu_bwd_cpu(const at::Tensor& dout, const at::Tensor& gate_up, double p, int64_t seed,
-                          int64_t offset) {
+                          int64_t offset, bool stock_rounding) {
     check_swiglu_bwd_args(dout, gate_up, p, c10::DeviceType::CPU);
     const int64_t rows = gate_up.size(0);
     const int64_t inter = gate_up.size(1) / 2;
@@ -71,6 +90,7 @@ at::Tensor swiglu_bwd_cpu(const at::Tensor& dout, const at::Tensor& gate_up, dou
     const float scale = static_cast<float>(1.0 / (1.0 - p));
     LF_DISPATCH_FLOATING(gate_up.scalar_type(), "swiglu_bwd_cpu", [&] {
         using T = scalar_t;
+        const bool stock = stock_rounding && sizeof(T) < sizeof(float);
         const T* in = gate_up.data_ptr<T>();
         const T* dz_all = dout.data_ptr<T>();
         T* d_all = dgate_up.data_ptr<T>();
@@ -89,6 +109,12 @@ at::Tensor swiglu_bwd_cpu(const at::Tensor& dout, const at::Tensor& gate_up, dou
                     float dz = static_cast<float>(dz_row[i]);
                     if (dropout) dz = mask.keep(static_cast<uint64_t>(n * inter + i)) ? dz * scale : 0.f;
                     const float s = sigmoid(gf);
+                    if (stock) {
+                        if (dropout) dz = lf_round_to<T>(dz);  // autograd stores dout * scale in T
+                        dg[i] = static_cast<T>(lf_round_to<T>(dz * uf) * s * (1.f + gf * (1.f - s)));
+                        du[i] = static_cast<T>(dz * lf_round_to<T>(silu(gf)));
+                        continue;
+                    }
                     dg[i] = static_cast<T>(dz * uf * s * (1.f + gf * (1.f - s)));
                     du[i] = static_cast<T>(dz * gf * s);
                 }

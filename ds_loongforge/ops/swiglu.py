@@ -6,6 +6,18 @@ The dropout mask of flat output element e is bit (e % 4) of Philox4x32-10(counte
 key=seed), kept when the 32-bit word is below floor((1 - p) * 2^32). The CUDA kernel, the CPU kernel
 and :func:`philox_keep_mask` below compute the same mask, so every implementation agrees exactly for a
 given seed; backward regenerates it instead of storing it. ``p == 0`` draws no random numbers.
+
+Rounding (``rounding=``, see ``ops._dispatch.ROUNDINGS``), for float16/bfloat16 tensors; rnd(v) rounds the fp32 value
+v to the tensor's dtype, s = sigmoid(gate), scale = 1 / (1 - p):
+
+* "stock" (the default) rounds where transformers' eager MLP, ``act_fn(gate) * up``, then dropout, and its
+  autograd round: a = rnd(silu(gate)), h = rnd(a * up), out = rnd(h * scale) where kept (else 0); backward
+  dh = rnd(dout * scale) where kept (else 0), dup = rnd(dh * a), dgate = rnd(rnd(dh * up) * s * (1 + gate * (1 - s))).
+  The kernels then match eager PyTorch up to the last fp32 bit of exp, which moves an element by one unit of the
+  dtype at rare times.
+* "once": fp32 from the inputs to each output, rounded once (closer to the exact value than stock, and different).
+
+float32 tensors (and the reference's float64) compute the same under both.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
-from ds_loongforge.ops._dispatch import as_rows, kernel_for
+from ds_loongforge.ops._dispatch import as_rows, check_rounding, kernel_for
 
 _BUILDERS = {"cuda": FusedSwiGLUBuilder, "cpu": FusedSwiGLUCPUBuilder}
 _MASK32 = 0xFFFFFFFF
@@ -67,12 +79,20 @@ def _check_p(p: float) -> None:
         raise ValueError(f"swiglu_dropout: p must be in [0, 1), got {p}")
 
 
-def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offset: int = 0) -> torch.Tensor:
-    """Plain PyTorch with the kernel's semantics (fp32 math, fp64 for fp64 inputs; same Philox mask)."""
+def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offset: int = 0,
+                     rounding: str = "stock") -> torch.Tensor:
+    """Plain PyTorch with the kernel's semantics (same Philox mask), rounded as ``rounding`` says.
+
+    "stock" on a 16-bit tensor is the eager expression in its dtype, ``where(keep, silu(gate) * up * scale, 0)``,
+    so autograd's backward rounds where the kernels' stock backward does; otherwise fp32 math (fp64 for fp64
+    inputs) with one rounding."""
+    stock = check_rounding("swiglu_reference", rounding)
     _check_p(p)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension holds [gate | up] and must be even, got {gate_up.shape[-1]}")
     acc = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
+    if stock and gate_up.dtype not in (torch.float32, torch.float64):
+        acc = gate_up.dtype  # every op below computes in fp32 and stores its result in this dtype
     gate, up = gate_up.to(acc).chunk(2, dim=-1)
     out = torch.nn.functional.silu(gate) * up
     if p > 0:
@@ -84,20 +104,20 @@ def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offse
 class _FusedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, gate_up, p, seed, offset, kernel):
+    def forward(ctx, gate_up, p, seed, offset, kernel, stock):
         rows = as_rows(gate_up)
-        out = kernel.forward(rows, p, seed, offset)
+        out = kernel.forward(rows, p, seed, offset, stock)
         ctx.save_for_backward(rows)
-        ctx.args = (p, seed, offset, kernel, gate_up.shape)
+        ctx.args = (p, seed, offset, kernel, gate_up.shape, stock)
         return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dout):
         (rows,) = ctx.saved_tensors
-        p, seed, offset, kernel, shape = ctx.args
+        p, seed, offset, kernel, shape, stock = ctx.args
         dgate_up = kernel.backward(dout.reshape(rows.shape[0], rows.shape[1] // 2).contiguous(), rows, p, seed,
-                                   offset)
-        return dgate_up.view(shape), None, None, None, None
+                                   offset, stock)
+        return dgate_up.view(shape), None, None, None, None, None
 
 
 def draw_seed() -> int:
@@ -106,11 +126,13 @@ def draw_seed() -> int:
 
 
 def swiglu_dropout(gate_up: torch.Tensor, p: float = 0.0, seed: int | None = None, offset: int = 0,
-                   impl: str = "auto") -> torch.Tensor:
+                   impl: str = "auto", rounding: str = "stock") -> torch.Tensor:
     """``dropout_p(silu(gate) * up)`` for ``gate_up = [gate | up]`` along the last dimension.
 
     ``seed=None`` draws one from torch's generator when ``p > 0``; a given seed reproduces the mask.
+    ``rounding``: "stock" (eager PyTorch's roundings) or "once" (fp32 to each output; see the module docstring).
     """
+    stock = check_rounding("swiglu_dropout", rounding)
     _check_p(p)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_dropout: the last dimension holds [gate | up] and must be even, "
@@ -123,5 +145,5 @@ def swiglu_dropout(gate_up: torch.Tensor, p: float = 0.0, seed: int | None = Non
     if impl != "auto" or gate_up.dtype in (torch.float32, torch.float16, torch.bfloat16):
         kernel = kernel_for("swiglu_dropout", _BUILDERS, gate_up.device.type, impl)
     if kernel is None:
-        return swiglu_reference(gate_up, p, seed, offset)
-    return _FusedSwiGLUFunction.apply(gate_up, float(p), int(seed), int(offset), kernel)
+        return swiglu_reference(gate_up, p, seed, offset, rounding)
+    return _FusedSwiGLUFunction.apply(gate_up, float(p), int(seed), int(offset), kernel, stock)
