@@ -10,7 +10,9 @@ drift its roundings start. The experiment measures that drift for each seed (ini
 * stock-eager:  the same model with transformers' eager experts (a loop over experts): the same math, other
                 roundings, i.e. what the target would have to allow stock itself;
 * loongforge:   LoongForge injected on stock's batches in stock's order (no expert-aware sampler);
-* loongforge-no-residual-add: the same with fused_kernels.residual_add off.
+* loongforge-no-residual-add: the same with fused_kernels.residual_add off;
+* loongforge-rounding-once: the same with fused_kernels.rounding "once" (RMSNorm and SwiGLU rounded once in fp32,
+                where the default "stock" rounds where transformers' eager modules do).
 
 Every variant: launch/train.py, a 4-layer Mixtral-style model (hidden 256, 8 experts top-2, vocab of the byte
 tokenizer), pydoc text, seq 128 x micro-batch 4, 100 steps, bf16 ZeRO-2, AdamW lr 8e-4 wd 0.01, clip 1.0.
@@ -47,6 +49,9 @@ VARIANTS = {
     "loongforge-no-residual-add": ("grouped_mm", {**LOONGFORGE, "fused_kernels": {**LOONGFORGE["fused_kernels"],
                                                                                    "residual_add": False}},
                                    ["--use-loongforge", "--no-expert-aware-sampler"]),
+    "loongforge-rounding-once": ("grouped_mm", {**LOONGFORGE, "fused_kernels": {**LOONGFORGE["fused_kernels"],
+                                                                                 "rounding": "once"}},
+                                 ["--use-loongforge", "--no-expert-aware-sampler"]),
 }
 
 
@@ -84,11 +89,11 @@ def run(variant: str, seed: int, steps: int, paths: dict, log_dir: Path) -> dict
             "experts_implementation": summary.get("experts_implementation"), "history": summary["loss_history"]}
 
 
-def table(rows: list[dict], seeds: list[int]) -> list[str]:
+def table(rows: list[dict], seeds: list[int], variants: list[str]) -> list[str]:
     by = {(r["variant"], r["seed"]): r for r in rows}
     lines = ["| variant | eval loss vs stock, per seed (%) | mean ± sd | mean abs | last-10 training loss vs stock, mean ± sd (%) |",
              "|---|---|---:|---:|---:|"]
-    for variant in VARIANTS:
+    for variant in variants:
         if variant == "stock":
             continue
         d_eval = [100 * (by[variant, s]["eval_loss"] / by["stock", s]["eval_loss"] - 1) for s in seeds]
@@ -107,18 +112,21 @@ def main():
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
     parser.add_argument("--tag", default="", help="suffix of the result files (e.g. the commit)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="which variants to run (stock, the reference, always runs)")
     args = parser.parse_args()
+    variants = ["stock"] + [v for v in args.variants if v != "stock"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         paths = write_inputs(tmp)
-        jobs = [(v, s) for s in args.seeds for v in VARIANTS]
+        jobs = [(v, s) for s in args.seeds for v in variants]
         with ThreadPoolExecutor(args.jobs) as pool:  # logs beside the inputs; a failure raises with its tail
             rows = list(pool.map(lambda job: run(*job, args.steps, paths, tmp), jobs))
     intro = __doc__.split("\n\n")[1:4]  # why, the variants, the setup
     lines = [f"# Loss drift between implementations of the same math, CPU, {args.steps} steps", "",
              intro[0].replace("\n", " "), "", intro[1], "", intro[2].replace("\n", " "), "",
              f"Seeds {', '.join(map(str, args.seeds))}; eval loss: train.py's held-out eval after the last step. "
-             "`python -m benchmarks.loss_floor_cpu`.", "", *table(rows, args.seeds)]
+             "`python -m benchmarks.loss_floor_cpu`.", "", *table(rows, args.seeds, variants)]
     print("\n".join(lines))
     (args.out / f"loss_floor_cpu{args.tag}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"loss_floor_cpu{args.tag}.json").write_text(json.dumps(rows, indent=1))

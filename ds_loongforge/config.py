@@ -33,6 +33,13 @@ class FusedKernelsConfig(_Section):
                        "Liger-Kernel's fused RoPE on CUDA (process-wide patch of "
                        "modeling_<family>.apply_rotary_pos_emb; needs liger-kernel). CPU tensors and inputs Liger "
                        "cannot take still run transformers' function.")
+    rounding: Literal["stock", "once"] = Field("stock", description="Where the fused RMSNorm and SwiGLU kernels "
+                                               "round to a 16-bit activation dtype. stock: where transformers' eager "
+                                               "modules and their autograd round (RMSNorm rounds x * rstd before the "
+                                               "weight, SwiGLU silu(gate) before up), so the fused model computes "
+                                               "the stock model's numbers up to fp32 summation order; once: fp32 "
+                                               "to each output, rounded once (closer to exact, different from "
+                                               "stock). Same speed; fp32 models compute the same under both.")
     linear_cross_entropy: bool = Field(True, strict=True, description="Compute a causal LM's training loss with the "
                                        "fused LM head + cross-entropy (ds_loongforge.ops.linear_cross_entropy: "
                                        "chunked, no full logits or fp32 copy of them). Training forwards with "

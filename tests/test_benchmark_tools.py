@@ -83,7 +83,8 @@ def test_loss_floor_table_compares_each_seed_with_its_own_stock_run():
         for i, variant in enumerate(VARIANTS):
             factor = 1 + 0.01 * i * (1 if seed == 1 else -1)  # variant i: +i% at seed 1, -i% at seed 2
             rows.append({"variant": variant, "seed": seed, "eval_loss": stock * factor, "last10_loss": stock * factor})
-    lines = table(rows, [1, 2])
+    lines = table(rows, [1, 2], list(VARIANTS))
     assert len(lines) == 2 + len(VARIANTS) - 1  # header, rule, one row per variant but stock
+    assert len(table(rows, [1, 2], ["stock", "loongforge"])) == 3  # --variants: only the ones that ran
     eager = next(line for line in lines if line.startswith("| stock-eager |"))
     assert "+1.00, -1.00" in eager and "| +0.00 ± 1.41 | 1.00 |" in eager

@@ -172,7 +172,8 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
 
     def swap_in(ours_cls):
         def replace(path: str, module: nn.Module) -> bool:
-            _swap(model, path, module, ours_cls.from_hf(module, impl=OP_IMPL).train(module.training))
+            fused = ours_cls.from_hf(module, impl=OP_IMPL, rounding=config.fused_kernels.rounding)
+            _swap(model, path, module, fused.train(module.training))
             return True
         return replace
 
@@ -462,11 +463,11 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
         from ds_loongforge.modules.moe_deepspeed import DeepSpeedExpertMaskedMoE
         moe = DeepSpeedExpertMaskedMoE(hidden, intermediate, num_experts, top_k, ep_size=ep_size,
                                        renormalize=renormalize, jitter_noise=float(getattr(block, "jitter_noise", 0.0)),
-                                       impl=OP_IMPL, **kwargs, **factory)
+                                       impl=OP_IMPL, rounding=config.fused_kernels.rounding, **kwargs, **factory)
     else:
         moe = ExpertMaskedMoE(hidden, intermediate, num_experts, top_k, renormalize=renormalize,
                               jitter_noise=float(getattr(block, "jitter_noise", 0.0)), impl=OP_IMPL,
-                              **kwargs, **factory)
+                              rounding=config.fused_kernels.rounding, **kwargs, **factory)
 
     local = slice(moe.ep_rank * moe.num_local_experts, (moe.ep_rank + 1) * moe.num_local_experts)
     with torch.no_grad():

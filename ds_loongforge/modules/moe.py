@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
+from ds_loongforge.ops._dispatch import check_rounding
 from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing,
                                             moe_permute, moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
@@ -447,8 +448,9 @@ class ExpertMaskedMoE(nn.Module):
                  impl: str = "auto", ep_group=None, ep_size: int | None = None,
                  all_to_all_buffer_factor: float = 1.2,
                  buffer_warmup_steps: int = 500, buffer_growth: float = 0.2, overlap_chunks: int = 2,
-                 expert_compute: str = "auto", device=None, dtype=None):
+                 expert_compute: str = "auto", rounding: str = "stock", device=None, dtype=None):
         super().__init__()
+        check_rounding("ExpertMaskedMoE", rounding)
         if num_experts < 1:
             raise ValueError(f"ExpertMaskedMoE: num_experts must be >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
@@ -461,7 +463,7 @@ class ExpertMaskedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.jitter_noise, self.aux_loss_coef, self.z_loss_coef = jitter_noise, aux_loss_coef, z_loss_coef
-        self.dropout, self.impl = dropout, impl
+        self.dropout, self.impl, self.rounding = dropout, impl, rounding
         self.ep_group = ep_group
         if ep_group is not None:
             if ep_size is not None and ep_size != dist.get_world_size(ep_group):
@@ -551,7 +553,8 @@ class ExpertMaskedMoE(nn.Module):
             host_counts = HostCounts(tokens_per_expert_E)  # for the backward, copied behind the routing
         gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E,
                                     host_counts, self.impl)
-        act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl)
+        act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl,
+                                rounding=self.rounding)
         return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, host_counts,
                              self.impl)
 
@@ -656,4 +659,4 @@ class ExpertMaskedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
-                f"top_k={self.top_k}, router={self.gate.mode}, impl={self.impl!r}")
+                f"top_k={self.top_k}, router={self.gate.mode}, impl={self.impl!r}, rounding={self.rounding!r}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ds_loongforge.ops._dispatch import check_rounding
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
@@ -23,16 +24,18 @@ class FusedRMSNorm(nn.Module):
 
     With ``residual`` it returns ``(norm(x + residual), x + residual)`` from one fused kernel; with ``keep_input``
     ``(norm(x), x)``, the gradient through the returned x added to the input gradient by the backward kernel.
+    ``rounding``: "stock" (transformers' roundings, the default) or "once" (ds_loongforge.ops.rmsnorm).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, impl: str = "auto",
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, impl: str = "auto", rounding: str = "stock",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if hidden_size < 1:
             raise ValueError(f"FusedRMSNorm: hidden_size must be >= 1, got {hidden_size}")
+        check_rounding("FusedRMSNorm", rounding)
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = float(eps)
-        self.impl = impl
+        self.impl, self.rounding = impl, rounding
 
     @property
     def eps(self) -> float:
@@ -43,7 +46,7 @@ class FusedRMSNorm(nn.Module):
         self.variance_epsilon = float(value)
 
     @classmethod
-    def from_hf(cls, module: nn.Module, impl: str = "auto") -> "FusedRMSNorm":
+    def from_hf(cls, module: nn.Module, impl: str = "auto", rounding: str = "stock") -> "FusedRMSNorm":
         """Wrap an HF ``*RMSNorm`` (``weight`` times the normalized input), sharing its weight Parameter."""
         weight = getattr(module, "weight", None)
         if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
@@ -51,36 +54,40 @@ class FusedRMSNorm(nn.Module):
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None:
             raise ValueError(f"FusedRMSNorm.from_hf: {type(module).__name__} has neither `variance_epsilon` nor `eps`")
+        check_rounding("FusedRMSNorm.from_hf", rounding)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.weight = weight
         fused.variance_epsilon = float(eps)
-        fused.impl = impl
+        fused.impl, fused.rounding = impl, rounding
         return fused
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, keep_input: bool = False):
         return fused_rmsnorm(hidden_states, self.weight, self.variance_epsilon, residual=residual, impl=self.impl,
-                             keep_input=keep_input)
+                             keep_input=keep_input, rounding=self.rounding)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, impl={self.impl!r}"
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, impl={self.impl!r}, rounding={self.rounding!r}"
 
 
 class FusedSwiGLUMLP(nn.Module):
-    """``down_proj(dropout_p(silu(gate_proj(x)) * up_proj(x)))`` with gate and up fused in one GEMM."""
+    """``down_proj(dropout_p(silu(gate_proj(x)) * up_proj(x)))`` with gate and up fused in one GEMM; ``rounding``:
+    "stock" (transformers' roundings, the default) or "once" (ds_loongforge.ops.swiglu)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, dropout: float = 0.0,
-                 impl: str = "auto", device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 impl: str = "auto", rounding: str = "stock", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         if hidden_size < 1 or intermediate_size < 1:
             raise ValueError(f"FusedSwiGLUMLP: sizes must be >= 1, got hidden_size={hidden_size}, "
                              f"intermediate_size={intermediate_size}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"FusedSwiGLUMLP: dropout must be in [0, 1), got {dropout}")
+        check_rounding("FusedSwiGLUMLP", rounding)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.dropout = dropout
-        self.impl = impl
+        self.impl, self.rounding = impl, rounding
         kw = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
@@ -88,14 +95,15 @@ class FusedSwiGLUMLP(nn.Module):
         self.register_load_state_dict_pre_hook(_fuse_gate_up_state)
 
     @classmethod
-    def from_hf(cls, mlp: nn.Module, dropout: float = 0.0, impl: str = "auto") -> "FusedSwiGLUMLP":
+    def from_hf(cls, mlp: nn.Module, dropout: float = 0.0, impl: str = "auto",
+                rounding: str = "stock") -> "FusedSwiGLUMLP":
         """Build from an HF MLP with ``gate_proj``, ``up_proj``, ``down_proj`` (Linear) and a SiLU act."""
         for name in ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(getattr(mlp, name, None), nn.Linear):
                 raise ValueError(f"FusedSwiGLUMLP.from_hf: {type(mlp).__name__} has no nn.Linear `{name}`")
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         bias = gate.bias is not None
-        fused = cls(gate.in_features, gate.out_features, bias=bias, dropout=dropout, impl=impl,
+        fused = cls(gate.in_features, gate.out_features, bias=bias, dropout=dropout, impl=impl, rounding=rounding,
                     device=gate.weight.device, dtype=gate.weight.dtype)
         with torch.no_grad():
             fused.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight], dim=0))
@@ -106,11 +114,11 @@ class FusedSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = swiglu_dropout(gate_up, self.dropout if self.training else 0.0, impl=self.impl)
+        act = swiglu_dropout(gate_up, self.dropout if self.training else 0.0, impl=self.impl, rounding=self.rounding)
         return self.down_proj(act)
 
     def extra_repr(self) -> str:
-        return f"dropout={self.dropout}, impl={self.impl!r}"
+        return f"dropout={self.dropout}, impl={self.impl!r}, rounding={self.rounding!r}"
 
 
 def _split_gate_up_state(module: FusedSwiGLUMLP, state_dict: dict, prefix: str, local_metadata) -> None:

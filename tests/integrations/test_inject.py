@@ -208,6 +208,34 @@ def test_deepseek_keeps_its_router_and_reports_it():
     assert any("deepseek_v3" in note and "router" in note for note in report.notes)
 
 
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_bf16_model_with_stock_rounding_computes_stock_logits(family):
+    """fused_kernels.rounding "stock" (the default) puts the fused RMSNorm and SwiGLU roundings where transformers'
+    modules have them, so a bf16 model injected with it computes logits closer to the stock model's than with
+    "once": on the CPU, Llama's equal the stock bits (its other fused pieces round as stock does), and Mixtral's
+    differ only through ExpertMaskedMoE's fp32 combine of the k experts (stock adds them in bf16)."""
+    stock = build(family).to(torch.bfloat16).eval()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        ref = stock(input_ids=ids).logits
+        differing = {}
+        for rounding in ("stock", "once"):
+            injected = copy.deepcopy(stock)
+            report = inject(injected, {"enabled": True, "fused_kernels": {"rounding": rounding}})
+            assert report.replaced.get(KIND_RMSNORM), report.summary()
+            assert all(m.rounding == rounding for m in injected.modules()
+                       if isinstance(m, (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE)))
+            differing[rounding] = float((injected(input_ids=ids).logits != ref).float().mean())
+    if family == "llama":
+        assert differing["stock"] == 0.0, differing
+    assert differing["stock"] < differing["once"], differing
+
+
+def test_rounding_setting_is_checked():
+    with pytest.raises(ValueError, match="rounding"):
+        LoongForgeConfig(enabled=True, fused_kernels={"rounding": "fp32"})
+
+
 @pytest.mark.parametrize("config", [
     LoongForgeConfig(enabled=True),
     {"enabled": True},                                        # the block itself
