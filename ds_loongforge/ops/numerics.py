@@ -156,13 +156,14 @@ def rmsnorm_checks(rows: int, hidden: int, dtype: torch.dtype, device: str, impl
 
 def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: str, p: float = 0.0,
                   seed: int = 1234, gate_up: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> list[CheckResult]:
-    """Forward and the gradient of swiglu_dropout(impl) vs fp64, each with its 2x-PyTorch tolerance."""
+                  generator: torch.Generator | None = None, rounding: str = "stock") -> list[CheckResult]:
+    """Forward and the gradient of swiglu_dropout(impl, rounding) vs fp64, each with its 2x-PyTorch tolerance."""
     kw = {"device": device, "generator": generator}
     if gate_up is None:
         gate_up = 2.0 * torch.randn(rows, 2 * inter, dtype=dtype, **kw)
     dout = torch.randn(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=dtype, **kw)
-    label = f"swiglu {impl} {str(dtype)[6:]} {tuple(gate_up.shape)} p={p}"
+    label = (f"swiglu {impl} {str(dtype)[6:]} {tuple(gate_up.shape)} p={p}"
+             f"{' rounding once' if rounding == 'once' else ''}")
 
     def run(fn, cast):
         g = gate_up.detach().to(cast).requires_grad_()
@@ -170,7 +171,7 @@ def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: 
         (dg,) = _grads((out,), (g,), (dout.to(cast),))
         return [out.detach(), dg]
 
-    ours = run(lambda g: swiglu_dropout(g, p, seed=seed, impl=impl), dtype)
+    ours = run(lambda g: swiglu_dropout(g, p, seed=seed, impl=impl, rounding=rounding), dtype)
     ref = run(lambda g: swiglu_reference(g, p, seed=seed), torch.float64)
     eager = run(lambda g: swiglu_eager(g, p, seed), dtype)
     return [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, dtype))

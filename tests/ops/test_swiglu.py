@@ -3,14 +3,14 @@ dropout mask (keep rate, determinism by seed, regeneration in backward, agreemen
 implementation), the p == 0 path, and the two roundings: "stock" equals eager PyTorch's
 ``F.silu(gate) * up`` (and its autograd) in the 16-bit dtypes, "once" rounds each output once."""
 
-import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_loongforge.ops import numerics, philox_keep_mask, swiglu_dropout, swiglu_reference
+from ds_loongforge.ops import philox_keep_mask, swiglu_dropout, swiglu_reference
+from ds_loongforge.ops.numerics import swiglu_checks
 from ds_loongforge.ops.swiglu import philox_words
 from tests._params import DTYPES, IMPLS, assert_checks, device_of
 
@@ -19,12 +19,6 @@ HALF_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float
 # the kernels and the plain-PyTorch reference (which the kernels' stock mode must equal as well)
 ALL_IMPLS = IMPLS + [pytest.param("reference", id="reference")]
 
-
-def swiglu_checks(*args, rounding="stock", **kwargs):
-    """numerics.swiglu_checks (the 2x rule against fp64) with the op under test run in ``rounding``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(numerics, "swiglu_dropout", functools.partial(swiglu_dropout, rounding=rounding))
-        return numerics.swiglu_checks(*args, **kwargs)
 
 SHAPES = [
     pytest.param(1, 8, id="1row"),                  # one row, one vector
