@@ -36,10 +36,12 @@ class FusedKernelsConfig(_Section):
     rounding: Literal["stock", "once"] = Field("stock", description="Where the fused RMSNorm and SwiGLU kernels "
                                                "round to a 16-bit activation dtype. stock: where transformers' eager "
                                                "modules and their autograd round (RMSNorm rounds x * rstd before the "
-                                               "weight, SwiGLU silu(gate) before up), so the fused model computes "
-                                               "the stock model's numbers up to fp32 summation order; once: fp32 "
-                                               "to each output, rounded once (closer to exact, different from "
-                                               "stock). Same speed; fp32 models compute the same under both.")
+                                               "weight, SwiGLU silu(gate) before up), so these modules compute "
+                                               "stock's numbers up to fp32 summation order (an MoE block's combine "
+                                               "still sums its k experts in fp32); once: fp32 to each output, "
+                                               "rounded once (closer to exact, different from stock). SwiGLU costs "
+                                               "the same under both at p = 0; the RMSNorm backward ~8% more under "
+                                               "stock on the H200. fp32 models compute the same under both.")
     linear_cross_entropy: bool = Field(True, strict=True, description="Compute a causal LM's training loss with the "
                                        "fused LM head + cross-entropy (ds_loongforge.ops.linear_cross_entropy: "
                                        "chunked, no full logits or fp32 copy of them). Training forwards with "
