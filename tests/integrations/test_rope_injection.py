@@ -36,8 +36,10 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", modeling_qwen3, dict(intermediate_size=48, head_dim=16)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", modeling_llama, dict(intermediate_size=48)),
 }
-# every other kind off: the model differs from stock in its rotary function only
-ROPE_ONLY = {"enabled": True, "fused_kernels": {name: name == "rope" for name in FusedKernelsConfig.model_fields},
+# every other kind off: the model differs from stock in its rotary function only (``rounding`` is a choice,
+# not an on/off switch: it stays at its default)
+ROPE_ONLY = {"enabled": True, "fused_kernels": {name: name == "rope" for name, field in FusedKernelsConfig.model_fields.items()
+                                                if field.annotation is bool},
              "moe": {"expert_masked": False, "sync_free_balancing_loss": False}}
 ALL_ON = {"enabled": True}
 ORIGINALS = {name: module.apply_rotary_pos_emb for name, (_, _, module, _) in FAMILIES.items()}
