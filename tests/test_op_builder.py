@@ -161,7 +161,7 @@ def test_setup_py_prebuilds_an_op_that_load_imports(tmp_path):
         FusedRMSNormCPUBuilder.jit_build = no_jit
         module = FusedRMSNormCPUBuilder().load()
         import torch
-        y, _, _ = module.forward(torch.ones(2, 8), None, torch.ones(8), 0.0)
+        y, _, _ = module.forward(torch.ones(2, 8), None, torch.ones(8), 0.0, True)
         assert torch.allclose(y, torch.ones(2, 8))
         print(module.__file__)
     """)

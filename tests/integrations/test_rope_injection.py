@@ -191,6 +191,7 @@ import json, sys, torch
 from ds_loongforge.integrations import rope
 from tests.integrations.test_rope_injection import hf_rope, rope_inputs
 
+torch.manual_seed(int(sys.argv[1]))  # the test's seed: a failure reproduces
 fused, label = rope.load_liger()
 out = {"row_strided": fused == rope.RowStridedRope.apply, "label": label, "cases": []}
 for batch, hq, hk, seq, hd, cos_batch in [(2, 8, 2, 16, 32, 1), (1, 4, 4, 7, 16, 1), (3, 6, 2, 5, 24, 3),
@@ -217,7 +218,8 @@ for batch, hq, hk, seq, hd, cos_batch in [(2, 8, 2, 16, 32, 1), (1, 4, 4, 7, 16,
         "forward_error": max((q_out.double() - q_want).abs().max().item(),
                              (k_out.double() - k_want).abs().max().item()),
         "grad_error": (grad.double() - grad_want).abs().max().item(),
-        "grad_outputs_rotated_in_place": not torch.equal(sent[0], dq)})
+        # one token at position offset 0 has sin = 0: the rotation is the identity and leaves dq as it was
+        "grad_outputs_rotated_in_place": not torch.equal(sent[0], dq) or bool((sin == 0).all())})
 from ds_loongforge.ops.numerics import row_strided_rope_checks  # what loongforge_report --verify runs on a GPU
 out["verify_failures"] = [r.describe() for r in row_strided_rope_checks(2, 9, 8, 2, 32, torch.float32, fused,
                                                                          device="cpu") if not r.passed]
@@ -239,8 +241,8 @@ def test_row_strided_rope_kernel_under_triton_interpreter():
     pytest.importorskip("liger_kernel", reason="needs liger-kernel (pip install liger-kernel==0.8.5)")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED_ROW_STRIDED_ROPE], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED_ROW_STRIDED_ROPE, str(torch.initial_seed())], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["row_strided"], f"liger-kernel's _triton_rope arguments changed ({result['label']})"
