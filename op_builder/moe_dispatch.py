@@ -68,3 +68,9 @@ class MoEDispatchCPUBuilder(LFCPUOpBuilder):
     SOURCES = ("moe_dispatch/moe_dispatch_cpu.cpp", "moe_dispatch/moe_routing_cpu.cpp",
                "moe_dispatch/moe_router_cpu.cpp", "moe_dispatch/moe_expert_gemm_cpu.cpp",
                "moe_dispatch/moe_dispatch_binding.cpp")
+
+    # -march=native and GCC's default -ffp-contract=fast would fuse the combine's products and sums into FMAs: the
+    # unpermute forward's "stock" rounding rounds each on its own, as torch's separate CPU mul and sum kernels do
+    # (tests/ops/test_moe_dispatch.py checks the bits against them)
+    def cxx_args(self):
+        return super().cxx_args() + ["-ffp-contract=off"]

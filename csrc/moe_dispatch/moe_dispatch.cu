@@ -7,6 +7,11 @@
 //   gather (permute backward, unpermute forward):
 //       dst_TH[t] = r[t] + sum_j w[t, j] * src_PH[slot[t, j]]        (fp32 in registers, one rounding;
 //                                                                      r: the residual, 0 without one)
+//       kStock: rnd(r[t] + rnd(sum_j w[t, j] * src_PH[slot[t, j]]))   (transformers' combine, then its decoder
+//              layer's residual add; every product and sum rounded to fp32 on its own, no FMA, as torch's
+//              separate mul and sum kernels round them)
+//       kStockProducts: as kStock with each product rounded to T before it is summed (weights in T: torch's
+//              16-bit multiply rounds them so)
 //
 // Both walk tokens: each token row is read once (permute forward writes its K copies instead of
 // gathering P rows, which would read every x row K times), every P row is written exactly once (slot is
@@ -113,31 +118,56 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// A gather's fp32 sum of one vector: started from the residual row (RESIDUAL) or 0, rounded once at the store.
+// The gather's roundings (ops/moe_dispatch.py: moe_unpermute's rounding): kOnce, one rounding of r + sum; kStock
+// and kStockProducts as in the header.
+constexpr int kOnce = 0, kStock = 1, kStockProducts = 2;
+
+// A gather's fp32 sum of one vector: started from the residual row (RESIDUAL, kOnce) or 0, rounded once at the
+// store; otherwise the residual is added at the store, to the rounded sum, and rounded again.
 template <typename T, int V, bool RESIDUAL>
-__device__ __forceinline__ void start_sum(float (&acc)[V], const T* residual, int64_t offset) {
-    if constexpr (RESIDUAL) {
-        const Vec<T, V> rv = load_vec<T, V>(residual + offset);  // no arithmetic on the null pointer otherwise
+__device__ __forceinline__ Vec<T, V> load_residual(const T* residual, int64_t offset) {
+    Vec<T, V> rv;
+    if constexpr (RESIDUAL) rv = load_vec<T, V>(residual + offset);  // no arithmetic on the null pointer otherwise
+    return rv;
+}
+
+template <typename T, int V, bool RESIDUAL, int MODE>
+__device__ __forceinline__ void start_sum(float (&acc)[V], const Vec<T, V>& rv) {
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = static_cast<float>(rv.val[e]);
+    for (int e = 0; e < V; ++e) acc[e] = (RESIDUAL && MODE == kOnce) ? static_cast<float>(rv.val[e]) : 0.f;
+}
+
+template <typename T, int MODE>
+__device__ __forceinline__ float add_product(float acc, float w, float v) {
+    if constexpr (MODE == kOnce) {
+        return fmaf(w, v, acc);
+    } else if constexpr (MODE == kStock) {
+        return __fadd_rn(acc, __fmul_rn(w, v));  // never contracted into an FMA
     } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = 0.f;
+        return __fadd_rn(acc, static_cast<float>(static_cast<T>(__fmul_rn(w, v))));
     }
 }
 
-template <typename T, int V>
-__device__ __forceinline__ void store_sum(T* dst_vec, const float (&acc)[V]) {
+template <typename T, int V, bool RESIDUAL, int MODE>
+__device__ __forceinline__ void store_sum(T* dst_vec, const float (&acc)[V], const Vec<T, V>& rv) {
     Vec<T, V> out;
 #pragma unroll
-    for (int e = 0; e < V; ++e) out.val[e] = static_cast<T>(acc[e]);
+    for (int e = 0; e < V; ++e) {
+        if constexpr (RESIDUAL && MODE != kOnce) {
+            out.val[e] = static_cast<T>(__fadd_rn(static_cast<float>(rv.val[e]),
+                                                  static_cast<float>(static_cast<T>(acc[e]))));
+        } else {
+            out.val[e] = static_cast<T>(acc[e]);
+        }
+    }
     store_vec<T, V>(dst_vec, out);
 }
 
 // The gather reads the rows of kLoadsInFlight pairs of a token before it adds the first, so that a thread has
 // that many 16-byte reads in flight instead of one dependent load at a time; the sum runs j = 0..K-1 in order in
-// fp32 registers, after the residual when there is one, and is rounded once.
-template <typename T, int V, bool WEIGHTED, bool RESIDUAL>
+// fp32 registers, after the residual when there is one, and is rounded once (kStock, kStockProducts: from 0,
+// rounded, then the residual added and rounded again).
+template <typename T, int V, bool WEIGHTED, bool RESIDUAL, int MODE>
 __global__ void __launch_bounds__(kThreads)
     moe_gather_rows_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
                            const float* __restrict__ weights, const T* __restrict__ residual, int64_t res_stride,
@@ -148,7 +178,8 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t* slot_t = slot + t * k;
         for (int c = threadIdx.x; c < n_vec; c += blockDim.x) {
             float acc[V];
-            start_sum<T, V, RESIDUAL>(acc, residual, t * res_stride + c * V);
+            const Vec<T, V> rv = load_residual<T, V, RESIDUAL>(residual, t * res_stride + c * V);
+            start_sum<T, V, RESIDUAL, MODE>(acc, rv);
             for (int j0 = 0; j0 < k; j0 += kLoadsInFlight) {
                 Vec<T, V> v[kLoadsInFlight];
                 float w[kLoadsInFlight];
@@ -163,11 +194,13 @@ __global__ void __launch_bounds__(kThreads)
                 for (int d = 0; d < kLoadsInFlight; ++d) {
                     if (j0 + d < k) {
 #pragma unroll
-                        for (int e = 0; e < V; ++e) acc[e] = fmaf(w[d], static_cast<float>(v[d].val[e]), acc[e]);
+                        for (int e = 0; e < V; ++e) {
+                            acc[e] = add_product<T, MODE>(acc[e], w[d], static_cast<float>(v[d].val[e]));
+                        }
                     }
                 }
             }
-            store_sum<T, V>(dst + t * hidden + c * V, acc);
+            store_sum<T, V, RESIDUAL, MODE>(dst + t * hidden + c * V, acc, rv);
         }
     }
 }
@@ -181,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
 #ifndef LF_GATHER_PIPELINED
 #define LF_GATHER_PIPELINED 1
 #endif
-template <typename T, int V, bool WEIGHTED, bool RESIDUAL, int KMAX>
+template <typename T, int V, bool WEIGHTED, bool RESIDUAL, int MODE, int KMAX>
 __global__ void __launch_bounds__(kThreads)
     moe_gather_rows_pipelined_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slot,
                                      const float* __restrict__ weights, const T* __restrict__ residual,
@@ -219,15 +252,16 @@ __global__ void __launch_bounds__(kThreads)
                 if (j < k) v[j] = load_vec<T, V>(src + row[j] * src_stride + c * V);
             }
             float acc[V];
-            start_sum<T, V, RESIDUAL>(acc, residual, t * res_stride + c * V);
+            const Vec<T, V> rv = load_residual<T, V, RESIDUAL>(residual, t * res_stride + c * V);
+            start_sum<T, V, RESIDUAL, MODE>(acc, rv);
 #pragma unroll
             for (int j = 0; j < KMAX; ++j) {
                 if (j < k) {
 #pragma unroll
-                    for (int e = 0; e < V; ++e) acc[e] = fmaf(w[j], static_cast<float>(v[j].val[e]), acc[e]);
+                    for (int e = 0; e < V; ++e) acc[e] = add_product<T, MODE>(acc[e], w[j], static_cast<float>(v[j].val[e]));
                 }
             }
-            store_sum<T, V>(dst + t * hidden + c * V, acc);
+            store_sum<T, V, RESIDUAL, MODE>(dst + t * hidden + c * V, acc, rv);
         }
     }
 }
@@ -303,7 +337,8 @@ void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, 
 }
 
 void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                          const at::Tensor& residual_TH, const at::Tensor& dst_TH) {
+                          const at::Tensor& residual_TH, const at::Tensor& dst_TH, bool stock,
+                          bool round_products) {
     const int64_t tokens = slot_TK.size(0);
     const int k = static_cast<int>(slot_TK.size(1));
     const int64_t hidden = src_PH.size(1);
@@ -322,9 +357,9 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
         dispatch_vec<T>(hidden, aligned, [&]<int V>() {
             const int n_vec = static_cast<int>(hidden / V);
             const TokenLaunch l = plan_token_launch(tokens, n_vec);
-            auto launch = [&]<bool WEIGHTED, bool RESIDUAL>() {
+            auto launch = [&]<bool WEIGHTED, bool RESIDUAL, int MODE>() {
                 auto pipelined = [&]<int KMAX>() {  // a persistent grid: the resident blocks, each walking tokens
-                    auto kernel = moe_gather_rows_pipelined_kernel<T, V, WEIGHTED, RESIDUAL, KMAX>;
+                    auto kernel = moe_gather_rows_pipelined_kernel<T, V, WEIGHTED, RESIDUAL, MODE, KMAX>;
                     const int64_t resident =
                         static_cast<int64_t>(lf_sm_count()) * std::max(1, lf_max_blocks_per_sm(kernel, kThreads));
                     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(l.grid.x, resident)));
@@ -338,15 +373,21 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
                 if constexpr (RESIDUAL && LF_GATHER_PIPELINED) {
                     if (k <= 2) return pipelined.template operator()<2>();
                 }
-                moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL><<<l.grid, l.block, 0, stream>>>(
+                moe_gather_rows_kernel<T, V, WEIGHTED, RESIDUAL, MODE><<<l.grid, l.block, 0, stream>>>(
                     src_PH.data_ptr<T>(), src_PH.stride(0), slot_TK.data_ptr<int64_t>(), weights, residual,
                     res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
             };
             // the combinations the ops use: permute backward (a plain sum), unpermute forward with or without
-            // the residual
-            if (!weighted) launch.template operator()<false, false>();
-            else if (has_residual) launch.template operator()<true, true>();
-            else launch.template operator()<true, false>();
+            // the residual, in each rounding (products rounded to T only where T is 16-bit)
+            const int mode = !stock ? kOnce : (round_products && sizeof(T) < 4) ? kStockProducts : kStock;
+            auto modes = [&]<bool RESIDUAL>() {
+                if (mode == kOnce) launch.template operator()<true, RESIDUAL, kOnce>();
+                else if (mode == kStock) launch.template operator()<true, RESIDUAL, kStock>();
+                else launch.template operator()<true, RESIDUAL, kStockProducts>();
+            };
+            if (!weighted) launch.template operator()<false, false, kOnce>();
+            else if (has_residual) modes.template operator()<true>();
+            else modes.template operator()<false>();
             LF_CUDA_CHECK_LAUNCH();
         });
     });

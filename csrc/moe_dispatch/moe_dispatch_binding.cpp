@@ -16,7 +16,8 @@ namespace loongforge {
 void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                            const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                          const at::Tensor& residual_TH, const at::Tensor& dst_TH);
+                          const at::Tensor& residual_TH, const at::Tensor& dst_TH, bool stock,
+                          bool round_products);
 void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                               const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 void moe_router_topk_fwd_cuda(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
@@ -46,7 +47,8 @@ constexpr c10::DeviceType kDispatchDevice = c10::DeviceType::CUDA;
 void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                           const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                         const at::Tensor& residual_TH, const at::Tensor& dst_TH);
+                         const at::Tensor& residual_TH, const at::Tensor& dst_TH, bool stock,
+                          bool round_products);
 void moe_routing_indices_cpu(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                              const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 void moe_router_topk_fwd_cpu(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
@@ -83,16 +85,17 @@ at::Tensor permute_fwd(const at::Tensor& x_TH, const at::Tensor& slot_TK) {
 at::Tensor permute_bwd(const at::Tensor& dx_PH, const at::Tensor& slot_TK) {
     check_permute_bwd_args(dx_PH, slot_TK, kDispatchDevice);
     auto dx_TH = at::empty({slot_TK.size(0), dx_PH.size(1)}, dx_PH.options());
-    LF_GATHER_ROWS(dx_PH, slot_TK, at::Tensor(), at::Tensor(), dx_TH);
+    LF_GATHER_ROWS(dx_PH, slot_TK, at::Tensor(), at::Tensor(), dx_TH, false, false);
     return dx_TH;
 }
 
 at::Tensor unpermute_fwd(const at::Tensor& y_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                         const c10::optional<at::Tensor>& residual_TH) {
+                         const c10::optional<at::Tensor>& residual_TH, bool stock, bool round_products) {
     check_unpermute_fwd_args(y_PH, slot_TK, weights_TK, residual_TH, kDispatchDevice);
     auto out_TH = at::empty({slot_TK.size(0), y_PH.size(1)}, y_PH.options());
     const bool has_residual = residual_TH.has_value() && residual_TH->defined();
-    LF_GATHER_ROWS(y_PH, slot_TK, weights_TK, has_residual ? *residual_TH : at::Tensor(), out_TH);
+    LF_GATHER_ROWS(y_PH, slot_TK, weights_TK, has_residual ? *residual_TH : at::Tensor(), out_TH, stock,
+                   round_products);
     return out_TH;
 }
 
@@ -177,9 +180,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("permute_backward", &loongforge::permute_bwd, py::arg("dx_PH"), py::arg("slot_TK"),
           "dx_TH[t] = sum_j dx_PH[slot_TK[t, j]] (fp32 accumulation, one rounding)");
     m.def("unpermute_forward", &loongforge::unpermute_fwd, py::arg("y_PH"), py::arg("slot_TK"),
-          py::arg("weights_TK"), py::arg("residual_TH") = py::none(),
-          "out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]] (fp32 accumulation, one "
-          "rounding; residual None: 0)");
+          py::arg("weights_TK"), py::arg("residual_TH") = py::none(), py::arg("stock") = true,
+          py::arg("round_products") = false,
+          "out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]] (fp32 products and sum; "
+          "stock: the sum rounded, then the residual added and rounded again, and round_products: each product "
+          "rounded to y's dtype first; otherwise one rounding of it all; residual None: the sum, rounded once)");
     m.def("unpermute_backward", &loongforge::unpermute_bwd, py::arg("dout_TH"), py::arg("y_PH"),
           py::arg("slot_TK"), py::arg("weights_TK"),
           "returns (dy_PH, dweights_TK[fp32] or None when y_PH is None)");

@@ -1,5 +1,9 @@
-// MoE dispatch row kernels on the CPU: the same arithmetic as moe_dispatch.cu (fp32 products and sums,
-// one rounding per output, pairs of a token taken in order j = 0..K-1 after the residual, if any). Tokens are split over ATen's
+// MoE dispatch row kernels on the CPU: the same arithmetic as moe_dispatch.cu (fp32 products and sums, pairs of
+// a token taken in order j = 0..K-1; the unpermute forward's residual added as its rounding says: "once" starts
+// the sum from it and rounds once, "stock" rounds the sum, then adds it and rounds again, as transformers' combine
+// followed by its decoder layer's residual add does; with round_products each product is rounded to T before it
+// is summed, as torch's multiply of 16-bit weights rounds it). The builder compiles this file with -ffp-contract=off:
+// products and sums are rounded one by one, as torch's own CPU kernels round them. Tokens are split over ATen's
 // thread pool; each output row is written by one thread, so results do not depend on the thread count.
 // Unlike the CUDA build, slot_TK is checked to be a permutation of [0, P) first: one pass over P indices.
 #include <ATen/Parallel.h>
@@ -84,7 +88,8 @@ void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, c
 }
 
 void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
-                         const at::Tensor& residual_TH, const at::Tensor& dst_TH) {
+                         const at::Tensor& residual_TH, const at::Tensor& dst_TH, bool stock,
+                         bool round_products) {
     check_slot_is_permutation(slot_TK);
     const int64_t tokens = slot_TK.size(0);
     const int64_t k = slot_TK.size(1);
@@ -103,8 +108,8 @@ void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, co
         at::parallel_for(0, tokens, token_grain(hidden, k), [&](int64_t begin, int64_t end) {
             std::vector<float> acc(hidden);
             for (int64_t t = begin; t < end; ++t) {
-                if (residual) {  // the sum starts from the residual, as on CUDA: r + w0 y0 + w1 y1 + ...
-                    const T* r = residual + t * res_stride;
+                const T* r = residual ? residual + t * res_stride : nullptr;
+                if (r && !stock) {  // "once": the sum starts from the residual, as on CUDA: r + w0 y0 + w1 y1 + ...
                     for (int64_t c = 0; c < hidden; ++c) acc[c] = static_cast<float>(r[c]);
                 } else {
                     std::fill(acc.begin(), acc.end(), 0.f);
@@ -112,10 +117,22 @@ void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, co
                 for (int64_t j = 0; j < k; ++j) {
                     const T* s = src + slot[t * k + j] * src_stride;
                     const float w = weighted ? weights[t * k + j] : 1.f;
-                    for (int64_t c = 0; c < hidden; ++c) acc[c] += w * static_cast<float>(s[c]);
+                    if (stock && round_products) {  // torch's 16-bit multiply: each product rounded to T
+                        for (int64_t c = 0; c < hidden; ++c) {
+                            acc[c] += static_cast<float>(static_cast<T>(w * static_cast<float>(s[c])));
+                        }
+                    } else {
+                        for (int64_t c = 0; c < hidden; ++c) acc[c] += w * static_cast<float>(s[c]);
+                    }
                 }
                 T* d = dst + t * hidden;
-                for (int64_t c = 0; c < hidden; ++c) d[c] = static_cast<T>(acc[c]);
+                if (r && stock) {  // "stock": rnd(r + rnd(w0 y0 + w1 y1 + ...))
+                    for (int64_t c = 0; c < hidden; ++c) {
+                        d[c] = static_cast<T>(static_cast<float>(r[c]) + static_cast<float>(static_cast<T>(acc[c])));
+                    }
+                } else {
+                    for (int64_t c = 0; c < hidden; ++c) d[c] = static_cast<T>(acc[c]);
+                }
             }
         });
     });

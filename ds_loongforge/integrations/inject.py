@@ -463,11 +463,13 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
         from ds_loongforge.modules.moe_deepspeed import DeepSpeedExpertMaskedMoE
         moe = DeepSpeedExpertMaskedMoE(hidden, intermediate, num_experts, top_k, ep_size=ep_size,
                                        renormalize=renormalize, jitter_noise=float(getattr(block, "jitter_noise", 0.0)),
-                                       impl=OP_IMPL, rounding=config.fused_kernels.rounding, **kwargs, **factory)
+                                       impl=OP_IMPL, rounding=config.fused_kernels.rounding,
+                                       weights_in_input_dtype=spec.weights_in_input_dtype, **kwargs, **factory)
     else:
         moe = ExpertMaskedMoE(hidden, intermediate, num_experts, top_k, renormalize=renormalize,
                               jitter_noise=float(getattr(block, "jitter_noise", 0.0)), impl=OP_IMPL,
-                              rounding=config.fused_kernels.rounding, **kwargs, **factory)
+                              rounding=config.fused_kernels.rounding,
+                              weights_in_input_dtype=spec.weights_in_input_dtype, **kwargs, **factory)
 
     local = slice(moe.ep_rank * moe.num_local_experts, (moe.ep_rank + 1) * moe.num_local_experts)
     with torch.no_grad():

@@ -433,9 +433,12 @@ def chunk_bounds(num_local_experts: int, chunks: int) -> list[tuple[int, int]]:
 class ExpertMaskedMoE(nn.Module):
     """Dropless top-k MoE block; ``forward(x [..., H], residual=None) -> [..., H]``.
 
-    ``residual`` (x's shape and dtype): added to the output in the combine's kernel, one rounding of
-    ``residual + sum_j w_j y_j`` (a decoder layer's residual stream; ``loongforge_adds_residual`` says that a
-    block takes it).
+    ``residual`` (x's shape and dtype): added to the output in the combine's kernel (a decoder layer's residual
+    stream; ``loongforge_adds_residual`` says that a block takes it). ``rounding`` "stock" rounds the k-sum
+    ``sum_j w_j y_j``, then ``residual + sum`` again, as transformers' block and decoder layer do; "once" rounds
+    ``residual + sum_j w_j y_j`` once (ds_loongforge.ops.moe_dispatch). ``weights_in_input_dtype``: under "stock",
+    the routing weights are cast to the input's dtype before they scale the expert outputs, as the routers of
+    Qwen2-MoE, Qwen3-MoE and OLMoE cast theirs (Mixtral's stay fp32); "once" keeps them fp32.
 
     In training, ``aux_loss`` holds ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` of the last
     forward (Switch/GShard load balancing; router z-loss) for the training loop to add, or None when both
@@ -448,7 +451,8 @@ class ExpertMaskedMoE(nn.Module):
                  impl: str = "auto", ep_group=None, ep_size: int | None = None,
                  all_to_all_buffer_factor: float = 1.2,
                  buffer_warmup_steps: int = 500, buffer_growth: float = 0.2, overlap_chunks: int = 2,
-                 expert_compute: str = "auto", rounding: str = "stock", device=None, dtype=None):
+                 expert_compute: str = "auto", rounding: str = "stock", weights_in_input_dtype: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         check_rounding("ExpertMaskedMoE", rounding)
         if num_experts < 1:
@@ -464,6 +468,7 @@ class ExpertMaskedMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.jitter_noise, self.aux_loss_coef, self.z_loss_coef = jitter_noise, aux_loss_coef, z_loss_coef
         self.dropout, self.impl, self.rounding = dropout, impl, rounding
+        self.weights_in_input_dtype = bool(weights_in_input_dtype)
         self.ep_group = ep_group
         if ep_group is not None:
             if ep_size is not None and ep_size != dist.get_world_size(ep_group):
@@ -516,6 +521,8 @@ class ExpertMaskedMoE(nn.Module):
         num_tokens, k = x_TH.shape[0], self.top_k
 
         logits_TE, probs_TE, weights_TK, ids_TK = self.gate(x_TH)
+        if self.weights_in_input_dtype and self.rounding == "stock":
+            weights_TK = weights_TK.to(x_TH.dtype)  # the family's router casts them so (its gradient flows back)
         order_P, slot_TK, tokens_per_expert_E, offsets_E = self._routing_indices(ids_TK)
         x_PH = moe_permute(x_TH, order_P, slot_TK, impl=self.impl)
 
@@ -528,7 +535,8 @@ class ExpertMaskedMoE(nn.Module):
             y_PH = self._experts_parallel(x_PH, tokens_per_expert_E)
 
         out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=self.impl,
-                               residual_TH=None if residual is None else residual.reshape(-1, self.hidden_size))
+                               residual_TH=None if residual is None else residual.reshape(-1, self.hidden_size),
+                               rounding=self.rounding)
 
         self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k,
                                          self._buffer_fill if self.ep_size > 1 else None)
@@ -659,4 +667,5 @@ class ExpertMaskedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
-                f"top_k={self.top_k}, router={self.gate.mode}, impl={self.impl!r}, rounding={self.rounding!r}")
+                f"top_k={self.top_k}, router={self.gate.mode}, impl={self.impl!r}, rounding={self.rounding!r}"
+                + (", weights_in_input_dtype=True" if self.weights_in_input_dtype else ""))

@@ -10,14 +10,18 @@ token t's j-th expert), H hidden, E experts.
         offsets_E[e]  int32 group ends (cumsum of the counts), as torch's grouped GEMM takes them
     moe_permute(x_TH, order_P, slot_TK) -> x_PH[p] = x_TH[order_P[p] // K]
         backward: dx_TH[t] = sum_j dx_PH[slot_TK[t, j]]
-    moe_unpermute(y_PH, slot_TK, weights_TK, residual_TH=None)
+    moe_unpermute(y_PH, slot_TK, weights_TK, residual_TH=None, rounding="stock")
         -> out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]   (no residual: 0)
         backward: dy_PH[slot_TK[t, j]] = weights_TK[t, j] * dout_TH[t]
                   dweights_TK[t, j]    = dout_TH[t] . y_PH[slot_TK[t, j]]
                   dresidual_TH         = dout_TH (the same tensor)
 
 Sums and products are fp32 (fp64 for fp64 inputs), rounded once to the rows' dtype; dweights is fp32
-until it is cast to the weights' dtype. Every output row is produced by one thread group in a fixed
+until it is cast to the weights' dtype. The unpermute forward with a residual rounds as ``rounding`` says: "stock"
+(the default) rounds the k-sum, then adds the residual and rounds again, as transformers' combine (its grouped_mm
+experts: fp32 products and sum, one cast) followed by the decoder layer's ``residual + hidden_states`` does; "once"
+starts the sum from the residual and rounds once. Under "stock" each product and sum is rounded on its own (no
+FMA), as torch's separate kernels round them: with k = 2 the result is the stock bits. Every output row is produced by one thread group in a fixed
 order and each P row is written exactly once, so the kernels use no atomics and are deterministic.
 
 Index tensors are int64, as argsort returns them. The kernels walk tokens and take slot_TK for both
@@ -36,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from ds_loongforge.op_builder import MoEDispatchBuilder, MoEDispatchCPUBuilder
-from ds_loongforge.ops._dispatch import kernel_for
+from ds_loongforge.ops._dispatch import check_rounding, kernel_for
 
 _BUILDERS = {"cuda": MoEDispatchBuilder, "cpu": MoEDispatchCPUBuilder}
 MAX_KERNEL_EXPERTS = 8192  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRoutingExperts (CUDA)
@@ -328,15 +332,28 @@ def moe_permute_reference(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: to
     return x_TH.to(_compute_dtype(x_TH.dtype))[order_P // k].to(x_TH.dtype)
 
 
+def _rounds_products(y_PH: torch.Tensor, weights_TK: torch.Tensor) -> bool:
+    """Whether "stock" rounds each weighted product to y's dtype: weights in y's 16-bit dtype, whose product torch
+    computes in that dtype (Qwen2-MoE, Qwen3-MoE and OLMoE cast their routing weights so; Mixtral keeps them fp32,
+    and fp32 x 16-bit promotes to an fp32 product)."""
+    return weights_TK.dtype == y_PH.dtype and y_PH.dtype in (torch.float16, torch.bfloat16)
+
+
 def moe_unpermute_reference(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
-                            residual_TH: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch with the kernels' semantics: fp32 products and sums (fp64 for fp64 inputs), one rounding."""
+                            residual_TH: torch.Tensor | None = None, rounding: str = "stock") -> torch.Tensor:
+    """Plain PyTorch with the kernels' semantics: fp32 products and sums (fp64 for fp64 inputs), rounded once;
+    under "stock", 16-bit weights' products rounded to that dtype before the sum, and with a residual the sum
+    rounded, the residual added and the result rounded again."""
+    stock = check_rounding("moe_unpermute_reference", rounding)
     _check_unpermute_args(y_PH, slot_TK, weights_TK, residual_TH)
     acc = _compute_dtype(y_PH.dtype)
     y_TKH = y_PH.to(acc)[slot_TK]
-    out = (y_TKH * weights_TK.to(acc).unsqueeze(-1)).sum(dim=1)
+    products = y_TKH * weights_TK.to(acc).unsqueeze(-1)
+    if stock and _rounds_products(y_PH, weights_TK):
+        products = products.to(y_PH.dtype).to(acc)
+    out = products.sum(dim=1)
     if residual_TH is not None:
-        out = residual_TH.to(acc) + out
+        out = residual_TH.to(acc) + (out.to(y_PH.dtype).to(acc) if stock else out)
     return out.to(y_PH.dtype)
 
 
@@ -357,10 +374,11 @@ class _MoEPermuteFunction(torch.autograd.Function):
 class _MoEUnpermuteFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y_PH, slot_TK, weights_TK, residual_TH, kernel):
+    def forward(ctx, y_PH, slot_TK, weights_TK, residual_TH, kernel, stock, round_products):
         y_rows = _unit_stride_rows(y_PH)
         out_TH = kernel.unpermute_forward(y_rows, slot_TK, weights_TK,
-                                          None if residual_TH is None else _unit_stride_rows(residual_TH))
+                                          None if residual_TH is None else _unit_stride_rows(residual_TH), stock,
+                                          round_products)
         # y is needed only for dweights: without a weight gradient the backward never reads it
         ctx.save_for_backward(y_rows if ctx.needs_input_grad[2] else None, slot_TK, weights_TK)
         ctx.kernel = kernel
@@ -371,7 +389,7 @@ class _MoEUnpermuteFunction(torch.autograd.Function):
         y_rows, slot_TK, weights_TK = ctx.saved_tensors
         dy_PH, dweights_TK = ctx.kernel.unpermute_backward(_unit_stride_rows(dout_TH), y_rows, slot_TK, weights_TK)
         dresidual_TH = dout_TH if ctx.needs_input_grad[3] else None  # out = residual + ...: the gradient as is
-        return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, dresidual_TH, None
+        return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, dresidual_TH, None, None, None
 
 
 def _kernel(op: str, rows: torch.Tensor, impl: str):
@@ -396,16 +414,22 @@ def moe_permute(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor
 
 
 def moe_unpermute(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
-                  impl: str = "auto", residual_TH: torch.Tensor | None = None) -> torch.Tensor:
+                  impl: str = "auto", residual_TH: torch.Tensor | None = None, rounding: str = "stock") -> torch.Tensor:
     """``out_TH[t] = residual_TH[t] + sum_j weights_TK[t, j] * y_PH[slot_TK[t, j]]`` in fp32, returned in y's
-    dtype (one rounding; without ``residual_TH`` the sum alone).
+    dtype (without ``residual_TH`` the sum alone, rounded once).
 
     ``weights_TK`` is float32 or y's dtype; its gradient comes back in its own dtype. ``residual_TH`` [T, H] in
-    y's dtype: a decoder layer's residual stream, added in the same pass (its gradient is out's). ``impl`` as in
+    y's dtype: a decoder layer's residual stream, added in the same pass (its gradient is out's). ``rounding``
+    "stock" (the default) rounds the sum before the residual is added, as transformers' MoE block and decoder layer
+    do, and rounds each product and sum on its own (each product to y's dtype when the weights are in it, as
+    torch's 16-bit multiply does); "once" rounds ``residual + sum`` once (see the module docstring). ``impl`` as in
     :func:`moe_permute`.
     """
+    stock = check_rounding("moe_unpermute", rounding)
     _check_unpermute_args(y_PH, slot_TK, weights_TK, residual_TH)
     kernel = _kernel("moe_unpermute", y_PH, impl)
     if kernel is None:
-        return moe_unpermute_reference(y_PH, slot_TK, weights_TK, residual_TH)
-    return _MoEUnpermuteFunction.apply(y_PH, slot_TK, weights_TK.float().contiguous(), residual_TH, kernel)
+        return moe_unpermute_reference(y_PH, slot_TK, weights_TK, residual_TH, rounding)
+    round_products = stock and _rounds_products(y_PH, weights_TK)  # before the kernels' fp32 copy of the weights
+    return _MoEUnpermuteFunction.apply(y_PH, slot_TK, weights_TK.float().contiguous(), residual_TH, kernel, stock,
+                                       round_products)

@@ -263,9 +263,10 @@ def moe_permute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: to
 
 def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: torch.dtype, device: str,
                          impl: str, weights_dtype: torch.dtype = torch.float32, y: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, residual: bool = False) -> list[CheckResult]:
-    """Forward and the gradients (dy, dweights, and dresidual with ``residual``) of moe_unpermute(impl) vs fp64,
-    each with its 2x-PyTorch tolerance. ``y`` [tokens * k, hidden] may be given; otherwise it is drawn at
+                         generator: torch.Generator | None = None, residual: bool = False,
+                         rounding: str = "stock") -> list[CheckResult]:
+    """Forward and the gradients (dy, dweights, and dresidual with ``residual``) of moe_unpermute(impl, rounding)
+    vs fp64, each with its 2x-PyTorch tolerance. ``y`` [tokens * k, hidden] may be given; otherwise it is drawn at
     random."""
     kw = {"device": device, "generator": generator}
     ids_TK, weights_TK = random_routing(tokens, k, experts, device, generator)
@@ -275,7 +276,8 @@ def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: 
         y = torch.randn(tokens * k, hidden, dtype=dtype, **kw)
     dout_TH = torch.randn(tokens, hidden, dtype=dtype, **kw)
     r_TH = 4.0 * torch.randn(tokens, hidden, dtype=dtype, **kw) if residual else None
-    label = f"moe_unpermute {impl} {str(dtype)[6:]} T={tokens} H={hidden} K={k} E={experts}{' +res' if residual else ''}"
+    label = (f"moe_unpermute {impl} {rounding} {str(dtype)[6:]} T={tokens} H={hidden} K={k} E={experts}"
+             f"{' +res' if residual else ''}")
 
     def run(fn, cast):
         ys = y.detach().to(cast).requires_grad_()
@@ -284,7 +286,7 @@ def moe_unpermute_checks(tokens: int, hidden: int, k: int, experts: int, dtype: 
         out = fn(ys, ws, rs)
         return [out.detach()] + list(_grads((out,), (ys, ws, rs) if residual else (ys, ws), (dout_TH.to(cast),)))
 
-    ours = run(lambda a, w, r: moe_unpermute(a, slot_TK, w, impl=impl, residual_TH=r), dtype)
+    ours = run(lambda a, w, r: moe_unpermute(a, slot_TK, w, impl=impl, residual_TH=r, rounding=rounding), dtype)
     ref = run(lambda a, w, r: moe_unpermute_reference(a, slot_TK, w, r), torch.float64)
     eager = run(lambda a, w, r: moe_unpermute_eager(a, slot_TK, w, r), dtype)
     # out and dweights are sums of products: the sums of their magnitudes set the rounding scale

@@ -208,27 +208,37 @@ def test_deepseek_keeps_its_router_and_reports_it():
     assert any("deepseek_v3" in note and "router" in note for note in report.notes)
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_bf16_model_with_stock_rounding_computes_stock_logits(family):
-    """fused_kernels.rounding "stock" (the default) puts the fused RMSNorm and SwiGLU roundings where transformers'
-    modules have them, so a bf16 model injected with it computes logits closer to the stock model's than with
-    "once": on the CPU, Llama's equal the stock bits (its other fused pieces round as stock does), and Mixtral's
-    differ only through ExpertMaskedMoE's fp32 combine of the k experts (stock adds them in bf16)."""
-    stock = build(family).to(torch.bfloat16).eval()
-    ids = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        ref = stock(input_ids=ids).logits
-        differing = {}
-        for rounding in ("stock", "once"):
-            injected = copy.deepcopy(stock)
-            report = inject(injected, {"enabled": True, "fused_kernels": {"rounding": rounding}})
-            assert report.replaced.get(KIND_RMSNORM), report.summary()
-            assert all(m.rounding == rounding for m in injected.modules()
-                       if isinstance(m, (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE)))
-            differing[rounding] = float((injected(input_ids=ids).logits != ref).float().mean())
-    if family == "llama":
-        assert differing["stock"] == 0.0, differing
-    assert differing["stock"] < differing["once"], differing
+    """fused_kernels.rounding "stock" (the default) puts the fused RMSNorm, SwiGLU and MoE combine roundings where
+    transformers' modules have them (the combine: fp32 or, where the family's router casts them, bf16 weights; the
+    k-sum rounded before the decoder's residual add), so a bf16 model injected with it computes the stock logits
+    bit for bit on the CPU (top-2 here: a sum of two has one order); "once" rounds fewer times and differs.
+
+    An MoE model's routing is not always stock's: among equal bf16 router logits ExpertMaskedMoE picks the lower
+    expert (torch.topk's order on CUDA; on the CPU torch.topk may pick the other), and its fp32 softmax uses another
+    exp than torch's (an ulp apart at times). Either changes a draw's logits (about 1 draw in 20 here, found over
+    60 seeds), so MoE families need 6 of 8 draws bit for bit; tests/modules/test_moe.py compares the experts on
+    one routing, bit for bit every time."""
+    draws = 1 if KIND_MOE not in FAMILIES[family][3] else 8
+    equal_draws, once_differing = 0, []
+    for _ in range(draws):
+        stock = build(family).to(torch.bfloat16).eval()
+        ids = torch.randint(0, VOCAB, (2, 12))
+        with torch.no_grad():
+            ref = stock(input_ids=ids).logits
+            differing = {}
+            for rounding in ("stock", "once"):
+                injected = copy.deepcopy(stock)
+                report = inject(injected, {"enabled": True, "fused_kernels": {"rounding": rounding}})
+                assert report.replaced.get(KIND_RMSNORM), report.summary()
+                assert all(m.rounding == rounding for m in injected.modules()
+                           if isinstance(m, (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE)))
+                differing[rounding] = float((injected(input_ids=ids).logits != ref).float().mean())
+        equal_draws += differing["stock"] == 0.0
+        once_differing.append(differing["once"])
+    assert equal_draws >= (draws if draws == 1 else 6), f"{equal_draws} of {draws} draws gave stock's logits"
+    assert min(once_differing) > 0.0, once_differing
 
 
 def test_rounding_setting_is_checked():

@@ -124,6 +124,44 @@ def test_residual_is_added_in_the_combine(impl):
         moe(x, residual=r[:, :8])
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bf16_stock_rounding_is_the_family_experts_bitwise_cpu(family):
+    """rounding="stock" on the CPU in bf16: given the same routing, the block's output, and its output plus a decoder
+    layer's residual, are the bits of transformers' experts (Mixtral's fp32 routing weights; Qwen3-MoE's cast to
+    bf16, which weights_in_input_dtype reproduces); "once" differs. The routing is our router's for both: its fp32
+    softmax (std::exp) can differ from torch's (a vectorised exp) by an ulp, which moves a rare output by a unit.
+    transformers' default experts ("grouped_mm", as from_pretrained and from_config choose them; a bare block's
+    config has none): its "eager" loop rounds each fp32-weighted product to bf16 first."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    hidden, inter, experts, k = 64, 48, 8, 2
+    if family == "mixtral":
+        hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                                 num_experts_per_tok=k, router_jitter_noise=0.0,
+                                                 experts_implementation="grouped_mm"))
+    else:
+        hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter,
+                                                   num_experts=experts, num_experts_per_tok=k, norm_topk_prob=True,
+                                                   experts_implementation="grouped_mm"))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 1.0 / math.sqrt(p.shape[-1]))
+    hf = hf.bfloat16()
+    x = torch.randn(2, 33, hidden, dtype=torch.bfloat16)
+    r = 4.0 * torch.randn_like(x)
+    with torch.no_grad():
+        for rounding in ("stock", "once"):
+            ours = ExpertMaskedMoE(hidden, inter, experts, k, impl="cpu", dtype=torch.bfloat16, rounding=rounding,
+                                   weights_in_input_dtype=family == "qwen3_moe")
+            ours.load_state_dict(hf.state_dict())
+            _, _, weights_TK, ids_TK = ours.gate(x.view(-1, hidden))
+            if family == "qwen3_moe":
+                weights_TK = weights_TK.to(x.dtype)  # as Qwen3MoeTopKRouter returns them
+            want = hf.experts(x.view(-1, hidden), ids_TK, weights_TK).view_as(x)
+            same = torch.equal(ours(x), want) and torch.equal(ours(x, residual=r), r + want)
+            assert same == (rounding == "stock"), rounding
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_expert_compute_loop_equals_grouped_mm(impl):
     moe = ExpertMaskedMoE(16, 32, 8, 2, impl=impl, device=impl)

@@ -16,6 +16,7 @@ from tests._params import DTYPES, IMPLS, assert_checks, device_of
 
 # the reference too: its fp32 accumulation with one rounding is part of the op's contract
 IMPLS_AND_REFERENCE = [pytest.param("reference", id="reference"), *IMPLS]
+ROUNDINGS = ["stock", "once"]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 SHAPES = [  # (T, H, K, E); random_routing leaves the last quarter of the experts without tokens
@@ -148,10 +149,12 @@ def test_moe_unpermute_matches_fp64(impl, dtype, tokens, hidden, k, experts):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden,k,experts", [(0, 64, 2, 4), (1, 1, 1, 1), (37, 3, 2, 4), (37, 64, 8, 4),
                                                      (1000, 2880, 2, 4), (16, 7168, 8, 64), (9, 64, 12, 16)])
-def test_moe_unpermute_with_residual_matches_fp64(impl, dtype, tokens, hidden, k, experts):
-    """The decoder layer's residual added in the same pass (one rounding), its gradient the output's; K = 12 runs
-    past the kernel's loads in flight."""
-    assert_checks(moe_unpermute_checks(tokens, hidden, k, experts, dtype, device_of(impl), impl, residual=True))
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_moe_unpermute_with_residual_matches_fp64(impl, dtype, tokens, hidden, k, experts, rounding):
+    """The decoder layer's residual added in the same pass ("once": one rounding; "stock": after the sum's), its
+    gradient the output's; K = 12 runs past the kernel's loads in flight."""
+    assert_checks(moe_unpermute_checks(tokens, hidden, k, experts, dtype, device_of(impl), impl, residual=True,
+                                       rounding=rounding))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -177,8 +180,54 @@ def test_unpermute_residual_gradient_is_the_output_gradient(impl):
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
-def test_moe_unpermute_weights_in_activation_dtype(impl, dtype):
-    assert_checks(moe_unpermute_checks(53, 320, 4, 16, dtype, device_of(impl), impl, weights_dtype=dtype))
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_moe_unpermute_weights_in_activation_dtype(impl, dtype, rounding, residual):
+    assert_checks(moe_unpermute_checks(53, 320, 4, 16, dtype, device_of(impl), impl, weights_dtype=dtype,
+                                       residual=residual, rounding=rounding))
+
+
+def transformers_combine(y_PH, slot_TK, weights_TK, residual_TH=None):
+    """transformers' MoE combine as its grouped_mm experts compute it (integrations/moe.py: the weighted rows in
+    the weights' promoted dtype, summed over k, cast to the activations' dtype), then a decoder layer's
+    ``residual + hidden_states``."""
+    out = (y_PH[slot_TK] * weights_TK.unsqueeze(-1)).sum(dim=1).to(y_PH.dtype)
+    return out if residual_TH is None else residual_TH + out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+@pytest.mark.parametrize("weights_dtype", ["fp32", "activation"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_stock_rounding_is_transformers_combine(device, dtype, weights_dtype, residual, k):
+    """rounding="stock" computes transformers' bits: fp32 weights (Mixtral) give fp32 products, 16-bit weights
+    (Qwen2/3-MoE, OLMoE) products rounded to 16 bits, the sum rounded before the residual is added. Bit for bit
+    at k <= 2, where the sum of k terms has one order; "once" differs from it."""
+    tokens, hidden, experts = 301, 520, 8
+    _, slot_TK, weights_TK = _routing(tokens, k, experts, device)
+    weights_TK = weights_TK if weights_dtype == "fp32" else weights_TK.to(dtype)
+    y_PH = torch.randn(tokens * k, hidden, dtype=dtype, device=device)
+    r_TH = 4.0 * torch.randn(tokens, hidden, dtype=dtype, device=device) if residual else None
+    expected = transformers_combine(y_PH, slot_TK, weights_TK, r_TH)
+    for impl in ("reference", device):
+        out = moe_unpermute(y_PH, slot_TK, weights_TK, impl=impl, residual_TH=r_TH)
+        assert torch.equal(out, expected), (impl, float((out != expected).float().mean()))
+    if k == 2 and (residual or weights_dtype == "activation"):  # (k = 1: random_routing's weight is 1, exact)
+        once = moe_unpermute(y_PH, slot_TK, weights_TK, impl=device, residual_TH=r_TH, rounding="once")
+        assert not torch.equal(once, expected)
+
+
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_stock_rounding_sums_k_terms_in_order_cpu(k):
+    """Beyond k = 2 the sum's order matters: the kernels add j = 0..K-1 in order, as torch's CPU sum over k does
+    for these k (fp32 weights and 16-bit ones)."""
+    _, slot_TK, weights_TK = _routing(257, k, 16, "cpu")
+    y_PH = torch.randn(257 * k, 136, dtype=torch.bfloat16)
+    r_TH = torch.randn(257, 136, dtype=torch.bfloat16)
+    for w in (weights_TK, weights_TK.bfloat16()):
+        expected = transformers_combine(y_PH, slot_TK, w, r_TH)
+        assert torch.equal(moe_unpermute(y_PH, slot_TK, w, impl="cpu", residual_TH=r_TH), expected)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -323,12 +372,15 @@ def test_cuda_matches_cpu():
     x_c, y_c, order_c, slot_c, w_c = on_cuda
     assert torch.equal(moe_permute(x_c, order_c, slot_c, impl="cuda").cpu(),
                        moe_permute(x_TH, order_P, slot_TK, impl="cpu"))
-    # the same fp32 sums in the same order; only the contraction of multiply-adds may differ
-    torch.testing.assert_close(moe_unpermute(y_c, slot_c, w_c, impl="cuda").cpu(),
-                               moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu"), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(moe_unpermute(y_c, slot_c, w_c, impl="cuda", residual_TH=x_c).cpu(),
-                               moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu", residual_TH=x_TH),
-                               rtol=1e-2, atol=1e-2)
+    # the same fp32 sums in the same order: under "stock" each product and sum is rounded on its own on both (the
+    # same bits); under "once" CUDA contracts them into multiply-adds
+    for residual in (None, (x_c, x_TH)):
+        r_c, r_TH = residual or (None, None)
+        stock_c = moe_unpermute(y_c, slot_c, w_c, impl="cuda", residual_TH=r_c).cpu()
+        assert torch.equal(stock_c, moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu", residual_TH=r_TH))
+        torch.testing.assert_close(moe_unpermute(y_c, slot_c, w_c, impl="cuda", residual_TH=r_c, rounding="once").cpu(),
+                                   moe_unpermute(y_PH, slot_TK, weights_TK, impl="cpu", residual_TH=r_TH,
+                                                 rounding="once"), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -29,6 +29,9 @@ class MoESpec:
     renormalize_attr: str | None = "norm_topk_prob"  # router attribute; None: always renormalised
     shared_expert: str | None = None       # block attribute holding a dense SwiGLU MLP added to the output
     shared_expert_gate: str | None = None  # Linear(H, 1): the shared output is scaled by sigmoid(gate(x))
+    # the router casts its top-k weights to the activations' dtype before they scale the expert outputs
+    # (fused_kernels.rounding "stock" does the same; "once" keeps them fp32)
+    weights_in_input_dtype: bool = False
 
 
 @dataclass(frozen=True)

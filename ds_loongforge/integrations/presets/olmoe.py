@@ -8,7 +8,7 @@ PRESET = FamilyPreset(
     rmsnorm=("OlmoeRMSNorm",),
     attention=("OlmoeAttention",),
     mlp=("OlmoeMLP",),
-    moe=MoESpec(block="OlmoeSparseMoeBlock", router="softmax_topk"),
+    moe=MoESpec(block="OlmoeSparseMoeBlock", router="softmax_topk", weights_in_input_dtype=True),
     rope="apply_rotary_pos_emb",
     decoder_layer="OlmoeDecoderLayer",
 )

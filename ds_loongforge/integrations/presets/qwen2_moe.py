@@ -10,7 +10,7 @@ PRESET = FamilyPreset(
     attention=("Qwen2MoeAttention",),
     mlp=("Qwen2MoeMLP",),
     moe=MoESpec(block="Qwen2MoeSparseMoeBlock", router="softmax_topk", shared_expert="shared_expert",
-                shared_expert_gate="shared_expert_gate"),
+                shared_expert_gate="shared_expert_gate", weights_in_input_dtype=True),
     rope="apply_rotary_pos_emb",
     decoder_layer="Qwen2MoeDecoderLayer",
 )

@@ -9,7 +9,7 @@ PRESET = FamilyPreset(
     rmsnorm=("Qwen3MoeRMSNorm",),
     attention=("Qwen3MoeAttention",),
     mlp=("Qwen3MoeMLP",),
-    moe=MoESpec(block="Qwen3MoeSparseMoeBlock", router="softmax_topk"),
+    moe=MoESpec(block="Qwen3MoeSparseMoeBlock", router="softmax_topk", weights_in_input_dtype=True),
     rope="apply_rotary_pos_emb",
     decoder_layer="Qwen3MoeDecoderLayer",
 )
