@@ -258,7 +258,9 @@ __global__ void __launch_bounds__(kThreads)
             for (int j = 0; j < KMAX; ++j) {
                 if (j < k) {
 #pragma unroll
-                    for (int e = 0; e < V; ++e) acc[e] = add_product<T, MODE>(acc[e], w[j], static_cast<float>(v[j].val[e]));
+                    for (int e = 0; e < V; ++e) {
+                        acc[e] = add_product<T, MODE>(acc[e], w[j], static_cast<float>(v[j].val[e]));
+                    }
                 }
             }
             store_sum<T, V, RESIDUAL, MODE>(dst + t * hidden + c * V, acc, rv);

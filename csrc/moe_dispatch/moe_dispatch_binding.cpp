@@ -17,7 +17,7 @@ void moe_scatter_rows_cuda(const at::Tensor& src_TH, const at::Tensor& slot_TK, 
                            const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                           const at::Tensor& residual_TH, const at::Tensor& dst_TH, bool stock,
-                          bool round_products);
+                         bool round_products);
 void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                               const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 void moe_router_topk_fwd_cuda(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,
@@ -48,7 +48,7 @@ void moe_scatter_rows_cpu(const at::Tensor& src_TH, const at::Tensor& slot_TK, c
                           const at::Tensor& dst_PH, const at::Tensor& y_PH, const at::Tensor& dweights_TK);
 void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, const at::Tensor& weights_TK,
                          const at::Tensor& residual_TH, const at::Tensor& dst_TH, bool stock,
-                          bool round_products);
+                         bool round_products);
 void moe_routing_indices_cpu(const at::Tensor& ids_TK, int64_t num_experts, const at::Tensor& order_P,
                              const at::Tensor& slot_TK, const at::Tensor& counts_E, const at::Tensor& offsets_E);
 void moe_router_topk_fwd_cpu(const at::Tensor& logits_TE, int64_t k, bool renormalize, const at::Tensor& probs_TE,

@@ -17,12 +17,13 @@ token t's j-th expert), H hidden, E experts.
                   dresidual_TH         = dout_TH (the same tensor)
 
 Sums and products are fp32 (fp64 for fp64 inputs), rounded once to the rows' dtype; dweights is fp32
-until it is cast to the weights' dtype. The unpermute forward with a residual rounds as ``rounding`` says: "stock"
-(the default) rounds the k-sum, then adds the residual and rounds again, as transformers' combine (its grouped_mm
-experts: fp32 products and sum, one cast) followed by the decoder layer's ``residual + hidden_states`` does; "once"
-starts the sum from the residual and rounds once. Under "stock" each product and sum is rounded on its own (no
-FMA), as torch's separate kernels round them: with k = 2 the result is the stock bits. Every output row is produced by one thread group in a fixed
-order and each P row is written exactly once, so the kernels use no atomics and are deterministic.
+until it is cast to the weights' dtype. The unpermute forward rounds as ``rounding`` says: "stock" (the default)
+rounds the k-sum, then adds the residual and rounds again, as transformers' combine (its grouped_mm experts:
+products in the weights' promoted dtype, an fp32 sum, one cast) followed by the decoder layer's
+``residual + hidden_states`` does, with each product and sum rounded on its own (no FMA) and, for weights in the
+rows' 16-bit dtype, each product rounded to it: with k <= 2 the stock bits. "once" starts the sum from the
+residual and rounds once. Every output row is produced by one thread group in a fixed order and each P row is
+written exactly once, so the kernels use no atomics and are deterministic.
 
 Index tensors are int64, as argsort returns them. The kernels walk tokens and take slot_TK for both
 directions (permute forward reads each x row once and writes its K copies instead of reading it K
