@@ -187,13 +187,38 @@ def fused_dtype(q, k, cos, sin, unsqueeze_dim, device_type: str = "cuda") -> tor
     return dtype if dtype in _FUSED_DTYPES else None
 
 
+def call_signature(function: Callable) -> inspect.Signature:
+    """The signature a call of ``function`` takes: a plain function's own, or the forward's of a module standing for
+    one. transformers 5.25 with the ``kernels`` package (one of its requirements from 5.25 on) turns each family's
+    ``apply_rotary_pos_emb`` into such a module (kernels' ``Func``, an nn.Module whose forward calls the function
+    and carries its signature); ``inspect.signature`` of the module itself would read nn.Module's (*args,
+    **kwargs)."""
+    if isinstance(function, torch.nn.Module):
+        return inspect.signature(function.forward)
+    return inspect.signature(function)
+
+
+def _wraps(original: Callable) -> Callable:
+    """functools.wraps for a plain function; for a module standing for one (call_signature), its docstring and the
+    call signature only (wraps would copy the module's state into the wrapper and point __wrapped__ at it)."""
+    if not isinstance(original, torch.nn.Module):
+        return functools.wraps(original)
+
+    def decorate(wrapper: Callable) -> Callable:
+        wrapper.__signature__ = call_signature(original)
+        wrapper.__doc__ = type(original).forward.__doc__ or original.__doc__
+        return wrapper
+
+    return decorate
+
+
 def make_wrapper(original: Callable, fused: Callable, label: str, tail: tuple[str, ...] = ("unsqueeze_dim",),
                  device_type: str = "cuda") -> Callable:
     """``original`` with calls that ``fused`` can take (``fused_dtype``) sent to ``fused(q, k, cos, sin)``.
 
     ``tail``: the original's parameters after (q, k, cos, sin); ``label`` names ``fused`` in messages."""
 
-    @functools.wraps(original)
+    @_wraps(original)
     def wrapper(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = 1
         if args or kwargs:
@@ -245,7 +270,7 @@ def standard_rope_problem(function: Callable) -> str | None:
     [B, S, D] unsqueezed at dim 1), else what differs. Checks the signature, then the values on a tiny fp64
     CPU input against the formula."""
     try:
-        params = list(inspect.signature(function).parameters.values())
+        params = list(call_signature(function).parameters.values())
     except (TypeError, ValueError):
         return "its signature cannot be read"
     names = tuple(p.name for p in params)
@@ -276,7 +301,7 @@ def patch(module_name: str, function_name: str, fused: Callable, label: str,
     done: the wrapper is never wrapped again), else why it was left alone."""
     return _patches.patch(
         module_name, function_name, standard_rope_problem,
-        lambda current: make_wrapper(current, fused, label, tuple(inspect.signature(current).parameters)[4:],
+        lambda current: make_wrapper(current, fused, label, tuple(call_signature(current).parameters)[4:],
                                      device_type))
 
 
