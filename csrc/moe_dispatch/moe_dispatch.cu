@@ -144,7 +144,7 @@ __device__ __forceinline__ float add_product(float acc, float w, float v) {
     } else if constexpr (MODE == kStock) {
         return __fadd_rn(acc, __fmul_rn(w, v));  // never contracted into an FMA
     } else {
-        return __fadd_rn(acc, static_cast<float>(static_cast<T>(__fmul_rn(w, v))));
+        return __fadd_rn(acc, lf_round_to<T>(__fmul_rn(w, v)));
     }
 }
 
@@ -154,8 +154,7 @@ __device__ __forceinline__ void store_sum(T* dst_vec, const float (&acc)[V], con
 #pragma unroll
     for (int e = 0; e < V; ++e) {
         if constexpr (RESIDUAL && MODE != kOnce) {
-            out.val[e] = static_cast<T>(__fadd_rn(static_cast<float>(rv.val[e]),
-                                                  static_cast<float>(static_cast<T>(acc[e]))));
+            out.val[e] = static_cast<T>(__fadd_rn(static_cast<float>(rv.val[e]), lf_round_to<T>(acc[e])));
         } else {
             out.val[e] = static_cast<T>(acc[e]);
         }
@@ -380,8 +379,8 @@ void moe_gather_rows_cuda(const at::Tensor& src_PH, const at::Tensor& slot_TK, c
                     res_stride, dst_TH.data_ptr<T>(), tokens, k, n_vec);
             };
             // the combinations the ops use: permute backward (a plain sum), unpermute forward with or without
-            // the residual, in each rounding (products rounded to T only where T is 16-bit)
-            const int mode = !stock ? kOnce : (round_products && sizeof(T) < 4) ? kStockProducts : kStock;
+            // the residual, in each rounding (lf_round_to: rounding a float product to float changes nothing)
+            const int mode = !stock ? kOnce : round_products ? kStockProducts : kStock;
             auto modes = [&]<bool RESIDUAL>() {
                 if (mode == kOnce) launch.template operator()<true, RESIDUAL, kOnce>();
                 else if (mode == kStock) launch.template operator()<true, RESIDUAL, kStock>();

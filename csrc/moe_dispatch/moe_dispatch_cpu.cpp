@@ -119,7 +119,7 @@ void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, co
                     const float w = weighted ? weights[t * k + j] : 1.f;
                     if (stock && round_products) {  // torch's 16-bit multiply: each product rounded to T
                         for (int64_t c = 0; c < hidden; ++c) {
-                            acc[c] += static_cast<float>(static_cast<T>(w * static_cast<float>(s[c])));
+                            acc[c] += lf_round_to<T>(w * static_cast<float>(s[c]));
                         }
                     } else {
                         for (int64_t c = 0; c < hidden; ++c) acc[c] += w * static_cast<float>(s[c]);
@@ -128,7 +128,7 @@ void moe_gather_rows_cpu(const at::Tensor& src_PH, const at::Tensor& slot_TK, co
                 T* d = dst + t * hidden;
                 if (r && stock) {  // "stock": rnd(r + rnd(w0 y0 + w1 y1 + ...))
                     for (int64_t c = 0; c < hidden; ++c) {
-                        d[c] = static_cast<T>(static_cast<float>(r[c]) + static_cast<float>(static_cast<T>(acc[c])));
+                        d[c] = static_cast<T>(static_cast<float>(r[c]) + lf_round_to<T>(acc[c]));
                     }
                 } else {
                     for (int64_t c = 0; c < hidden; ++c) d[c] = static_cast<T>(acc[c]);
