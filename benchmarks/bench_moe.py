@@ -211,11 +211,12 @@ def _same_names(module: nn.Module) -> Callable[[dict[int, torch.Tensor]], dict[s
     return lambda grads: {names[i]: g for i, g in grads.items()}
 
 
-def build_ours(shape: Shape, w: Weights, device: torch.device, expert_compute: str = "auto") -> Built:
+def build_ours(shape: Shape, w: Weights, device: torch.device, expert_compute: str = "auto",
+               rounding: str = "stock") -> Built:
     from ds_loongforge.modules import moe as ours
 
     moe = ours.ExpertMaskedMoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device=device,
-                               expert_compute=expert_compute)
+                               expert_compute=expert_compute, rounding=rounding)
     if expert_compute == "loop":
         _copy(moe.gate.weight, w.gate_EH, "ours gate.weight")
         _copy(moe.experts.gate_up_proj, w.gate_up_E2IH, "ours experts.gate_up_proj")
@@ -225,7 +226,8 @@ def build_ours(shape: Shape, w: Weights, device: torch.device, expert_compute: s
     _copy(moe.gate.weight, w.gate_EH, "ours gate.weight")
     _copy(moe.experts.gate_up_proj, w.gate_up_E2IH, "ours experts.gate_up_proj")
     _copy(moe.experts.down_proj, w.down_EHI, "ours experts.down_proj")
-    what = f"ExpertMaskedMoE(impl={moe.impl!r}), strict ops (compiled kernels or an error)"
+    what = (f"ExpertMaskedMoE(impl={moe.impl!r}, rounding={moe.rounding!r}), strict ops (compiled kernels or an "
+            "error)")
     supported = getattr(ours, "_grouped_mm_supported", None)
     if supported is not None:
         # the layer's pair rows [T*K, H] without their memory: the checks read the shape, dtype and device only
@@ -425,6 +427,8 @@ def build_autoep(shape: Shape, w: Weights, device: torch.device) -> Built:
 VARIANTS: dict[str, Callable[[Shape, Weights, torch.device], Built]] = {
     "HF eager": build_hf("eager"),   # first: the reference every other variant is compared with
     "ours": build_ours,
+    # the combine rounded once in fp32 (fused_kernels.rounding "once") instead of where transformers rounds
+    "ours, rounding once": lambda shape, w, device: build_ours(shape, w, device, rounding="once"),
     "ours (per-expert GEMM loop)": lambda shape, w, device: build_ours(shape, w, device, "loop"),
     "HF grouped_mm": build_hf("grouped_mm"),
     "DeepSpeed MoE": build_deepspeed_moe,

@@ -18,6 +18,19 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kReduceThreads = 1024;
+// The update's block size, resident blocks asked of ptxas (__launch_bounds__'s second argument: it caps the
+// registers so that many fit on an SM) and elements per thread and step. Macros so that
+// benchmarks/diagnose_adamw.py can build and time variants side by side; the defaults are the kernel's.
+#ifndef LF_ADAMW_THREADS
+#define LF_ADAMW_THREADS 512
+#endif
+#ifndef LF_ADAMW_MIN_BLOCKS
+#define LF_ADAMW_MIN_BLOCKS 1
+#endif
+#ifndef LF_ADAMW_VEC
+#define LF_ADAMW_VEC 8
+#endif
+constexpr int kUpdateThreads = LF_ADAMW_THREADS;
 
 struct Chunk {
     const int64_t* entry;
@@ -99,12 +112,12 @@ __device__ __forceinline__ void update_one(P* param, float* master, const G* gra
 }
 
 template <typename P, typename G, bool kHasMaster>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restrict__ table, TableHeader h,
+__global__ void __launch_bounds__(kUpdateThreads, LF_ADAMW_MIN_BLOCKS) adamw_kernel(const int64_t* __restrict__ table, TableHeader h,
                                                          const float* __restrict__ stats,
                                                          const float* __restrict__ inv_scale_dev, Hyper hp) {
     // 32 bytes of every fp32 stream (two 128-bit accesses) and 16 of a bf16/fp16 one per thread and iteration:
     // with V = 4 (8-byte bf16 accesses) the bf16 + fp32-master update ran at ~94% of copy bandwidth on the H200
-    constexpr int V = 8;
+    constexpr int V = LF_ADAMW_VEC;
     if (stats[1] != 0.f) return;
     const float scale = grad_scale(hp, stats[0], inv_scale_dev != nullptr ? *inv_scale_dev : 1.f);
     for (int64_t c = blockIdx.x; c < h.n_chunks; c += gridDim.x) {
@@ -189,11 +202,11 @@ void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const 
         auto launch = [&](auto g_tag) {
             using G = decltype(g_tag);
             if constexpr (std::is_same_v<P, float>) {
-                adamw_kernel<float, float, false><<<grid, kThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
+                adamw_kernel<float, float, false><<<grid, kUpdateThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
             } else if (h.has_master) {
-                adamw_kernel<P, G, true><<<grid, kThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
+                adamw_kernel<P, G, true><<<grid, kUpdateThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
             } else {
-                adamw_kernel<P, G, false><<<grid, kThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
+                adamw_kernel<P, G, false><<<grid, kUpdateThreads, 0, stream>>>(table, h, s, inv_scale_dev, hp);
             }
             LF_CUDA_CHECK_LAUNCH();
         };
