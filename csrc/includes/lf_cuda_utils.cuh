@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <map>
@@ -31,6 +33,32 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* __restrict__ p) {
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, N>& v) {
     *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+// lf_round_to<T> of two values with one packed conversion (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: round to
+// nearest even, as the scalar cast): a and b come back as floats, and `pair` (when not null) receives the two T
+// values, a in the lower half. sm_90 runs the scalar F2F conversions at a quarter of the FP32 rate; one packed
+// F2FP rounds two values. The identity for float (`pair` then gets a and b as they are).
+template <typename T>
+__device__ __forceinline__ void lf_round_pair(float& a, float& b, T* pair = nullptr) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (pair != nullptr) {
+            pair[0] = a;
+            pair[1] = b;
+        }
+    } else {
+        using P = std::conditional_t<std::is_same_v<T, at::BFloat16>, __nv_bfloat162, __half2>;
+        static_assert(std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>, "float, bf16 or fp16");
+        P r;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+            r = __floats2bfloat162_rn(a, b);
+        } else {
+            r = __floats2half2_rn(a, b);
+        }
+        a = __low2float(r);
+        b = __high2float(r);
+        if (pair != nullptr) *reinterpret_cast<P*>(pair) = r;
+    }
 }
 
 // Sum `v` over the `tpr` threads (threadIdx.x) that share one row (threadIdx.y). `tpr` is a power of

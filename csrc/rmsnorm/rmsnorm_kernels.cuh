@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                        int64_t res_stride, const W* __restrict__ w, T* __restrict__ y,
                        T* __restrict__ h_out, float* __restrict__ rstd_out, int64_t rows, int hidden,
                        float eps, bool stock) {
+    static_assert(V % 2 == 0, "y rounds pairs of elements");
     __shared__ float smem[kRowsSmem];
     const int tpr = blockDim.x;
     const int n_vec = hidden / V;
@@ -78,9 +79,10 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                 if constexpr (RES) {
                     const Vec<T, V> rv = load_vec<T, V>(res + row * res_stride + c * V);
 #pragma unroll
-                    for (int j = 0; j < V; ++j) {
-                        hv[k].val[j] = static_cast<T>(static_cast<float>(hv[k].val[j]) +
-                                                      static_cast<float>(rv.val[j]));
+                    for (int j = 0; j < V; j += 2) {  // h = rnd(x + residual), two values a conversion
+                        float a = static_cast<float>(hv[k].val[j]) + static_cast<float>(rv.val[j]);
+                        float b = static_cast<float>(hv[k].val[j + 1]) + static_cast<float>(rv.val[j + 1]);
+                        lf_round_pair<T>(a, b, &hv[k].val[j]);
                     }
                     store_vec<T, V>(h_out + row * hidden + c * V, hv[k]);
                 }
@@ -101,9 +103,12 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                 const Vec<W, V> wv = load_vec<W, V>(w + c * V);
                 Vec<T, V> yv;
 #pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    yv.val[j] = static_cast<T>(normed<T>(static_cast<float>(hv[k].val[j]) * rstd, stock) *
-                                               static_cast<float>(wv.val[j]));
+                for (int j = 0; j < V; j += 2) {  // normed's rounding, two values a conversion
+                    float n0 = static_cast<float>(hv[k].val[j]) * rstd;
+                    float n1 = static_cast<float>(hv[k].val[j + 1]) * rstd;
+                    if (stock) lf_round_pair<T>(n0, n1);
+                    yv.val[j] = static_cast<T>(n0 * static_cast<float>(wv.val[j]));
+                    yv.val[j + 1] = static_cast<T>(n1 * static_cast<float>(wv.val[j + 1]));
                 }
                 store_vec<T, V>(y + row * hidden + c * V, yv);
             }
@@ -120,6 +125,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                        const T* __restrict__ dres, T* __restrict__ dx,
                        float* __restrict__ dw_partial, int64_t rows, int hidden) {
     constexpr bool stock = STOCK;
+    static_assert(V % 2 == 0, "pass 1 rounds pairs of elements");
     __shared__ float smem[kRowsSmem];
     const int tpr = blockDim.x;
     const int n_vec = hidden / V;
@@ -135,7 +141,9 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
         const int64_t row = base + threadIdx.y;
         const bool valid = row < rows;
         const float rstd = valid ? rstd_in[row] : 0.f;
-        Vec<T, V> hv[VPT], dv[VPT];  // raw 16-bit vectors; xhat and w*dy are recomputed in pass 2
+        // raw 16-bit vectors; xhat is recomputed in pass 2, and w * dy too under "once" (under "stock" pass 1
+        // leaves it in dv, rounded to T as autograd stores it)
+        Vec<T, V> hv[VPT], dv[VPT];
         float dot = 0.f;
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -144,12 +152,33 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                 hv[k] = load_vec<T, V>(h + row * h_stride + c * V);
                 dv[k] = load_vec<T, V>(dy + row * hidden + c * V);
                 const Vec<W, V> wv = load_vec<W, V>(w + c * V);
+                if constexpr (stock) {
+                    // the same roundings as dw_term / grad_in, two values a conversion; the rounded w * dy goes
+                    // into dv in place of dy (pass 2 needs only it), so pass 2 converts nothing and reads no w
 #pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    const float d = static_cast<float>(dv[k].val[j]);
-                    const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
-                    dot += xhat * grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
-                    acc[k][j] += dw_term<T, W>(d, xhat, stock);
+                    for (int j = 0; j < V; j += 2) {
+                        const float d0 = static_cast<float>(dv[k].val[j]), d1 = static_cast<float>(dv[k].val[j + 1]);
+                        const float x0 = static_cast<float>(hv[k].val[j]) * rstd;
+                        const float x1 = static_cast<float>(hv[k].val[j + 1]) * rstd;
+                        float g0 = d0 * static_cast<float>(wv.val[j]), g1 = d1 * static_cast<float>(wv.val[j + 1]);
+                        lf_round_pair<T>(g0, g1, &dv[k].val[j]);
+                        dot += x0 * g0;
+                        dot += x1 * g1;
+                        float n0 = x0, n1 = x1;
+                        lf_round_pair<T>(n0, n1);
+                        float p0 = d0 * n0, p1 = d1 * n1;
+                        if constexpr (std::is_same_v<T, W>) lf_round_pair<T>(p0, p1);
+                        acc[k][j] += p0;
+                        acc[k][j + 1] += p1;
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < V; ++j) {
+                        const float d = static_cast<float>(dv[k].val[j]);
+                        const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
+                        dot += xhat * grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
+                        acc[k][j] += dw_term<T, W>(d, xhat, stock);
+                    }
                 }
             }
         }
@@ -158,15 +187,17 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
         for (int k = 0; k < VPT; ++k) {
             const int c = threadIdx.x + k * tpr;
             if (valid && c < n_vec) {
-                const Vec<W, V> wv = load_vec<W, V>(w + c * V);
+                Vec<W, V> wv;
+                if constexpr (!stock) wv = load_vec<W, V>(w + c * V);
                 Vec<T, V> out;
                 Vec<T, V> rv;
                 if constexpr (DRES) rv = load_vec<T, V>(dres + row * hidden + c * V);
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
-                    const float d = static_cast<float>(dv[k].val[j]);
-                    const float g = grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
+                    // stock: dv holds w * dy rounded to T (pass 1); once: dy, times w here in fp32
+                    const float g = stock ? static_cast<float>(dv[k].val[j])
+                                          : static_cast<float>(dv[k].val[j]) * static_cast<float>(wv.val[j]);
                     float v = rstd * (g - xhat * dot);
                     if constexpr (DRES) v += static_cast<float>(rv.val[j]);
                     out.val[j] = static_cast<T>(v);
