@@ -112,9 +112,9 @@ __device__ __forceinline__ void update_one(P* param, float* master, const G* gra
 }
 
 template <typename P, typename G, bool kHasMaster>
-__global__ void __launch_bounds__(kUpdateThreads, LF_ADAMW_MIN_BLOCKS) adamw_kernel(const int64_t* __restrict__ table, TableHeader h,
-                                                         const float* __restrict__ stats,
-                                                         const float* __restrict__ inv_scale_dev, Hyper hp) {
+__global__ void __launch_bounds__(kUpdateThreads, LF_ADAMW_MIN_BLOCKS)
+    adamw_kernel(const int64_t* __restrict__ table, TableHeader h, const float* __restrict__ stats,
+                 const float* __restrict__ inv_scale_dev, Hyper hp) {
     // 32 bytes of every fp32 stream (two 128-bit accesses) and 16 of a bf16/fp16 one per thread and iteration:
     // with V = 4 (8-byte bf16 accesses) the bf16 + fp32-master update ran at ~94% of copy bandwidth on the H200
     constexpr int V = LF_ADAMW_VEC;

@@ -1,0 +1,110 @@
+"""The RMSNorm CUDA op built from another source tree and from this one, run on the same inputs, every output
+compared bit for bit: for a kernel change that should not move a bit (e.g. 71cee29's packed roundings).
+
+    git archive <rev> csrc | tar -x -C /tmp/old        # here; the tree must travel with the device call
+    python -m benchmarks.ab_rmsnorm_bits --old-csrc /tmp/old/csrc
+
+Cases: bf16, fp16 and fp32 activations, weights of their dtype or fp32, 11 shapes that hit every kernel path,
+with and without the residual, both roundings (264 in all). For a case that differs it prints the share of each
+output's elements that differ, and for dw (an fp32 sum over rows) both builds' distance from an fp64 sum of the
+same rounded terms.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ds_loongforge.op_builder import FusedRMSNormBuilder, build_ops
+
+
+def _old_csrc() -> Path:
+    # read when building, in this process and in build_ops' spawned ones, which inherit the environment
+    return Path(os.environ["LF_AB_OLD_CSRC"])
+
+
+class OldRMSNormBuilder(FusedRMSNormBuilder):
+    NAME = "lf_fused_rmsnorm_old"
+
+    def sources(self):
+        return [str(_old_csrc() / s) for s in self.SOURCES]
+
+    def include_paths(self):
+        return [str(_old_csrc() / "includes")]
+
+
+SHAPES = ((257, 4096), (8192, 2048), (64, 5120), (33, 7168), (17, 16384), (513, 64), (129, 8), (300, 2880),
+          (9, 4097), (3, 40960), (4096, 4096))
+
+
+def run_both(new, old, dtype, wdt, rows, hidden, res, stock):
+    """(inputs, [new outputs], [old outputs]); outputs: y, h (with the residual), rstd, dx, dw."""
+    g = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    r = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype) if res else None
+    w = (1 + 0.5 * torch.randn(hidden, device="cuda", generator=g)).to(wdt)
+    dy = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    dres = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype) if res else None
+    outs = []
+    for m in (new, old):
+        y, h, rstd = m.forward(x, r, w, 1e-6, stock)
+        dx, dw = m.backward(dy, h if h is not None else x, rstd, w, dres, stock)
+        outs.append({"y": y, "h": h, "rstd": rstd, "dx": dx, "dw": dw})
+    return {"x": x, "r": r, "dy": dy}, outs[0], outs[1]
+
+
+def report_dw(inputs, new, old, dtype, wdt):
+    """Both builds' dw against an fp64 sum of the same rounded terms, where they differ."""
+    x, r, dy = inputs["x"], inputs["r"], inputs["dy"]
+    h = (x.float() + r.float()).to(dtype) if r is not None else x
+    n16 = (h.float() * new["rstd"][:, None]).to(dtype)
+    p = dy.float() * n16.float()
+    if wdt == dtype:
+        p = p.to(dtype)
+    ref = p.double().sum(0)
+    dw_new, dw_old = new["dw"].double(), old["dw"].double()
+    idx = (dw_new != dw_old).nonzero().flatten()
+    sub = float(torch.finfo(dtype).smallest_normal)
+    tiny_n = int(((n16 != 0) & (n16.float().abs() < sub)).sum())
+    tiny_p = int(((p != 0) & (p.float().abs() < sub)).sum())
+    print(f"   differing dw: {idx.numel()}; mean |new - fp64| {float((dw_new[idx] - ref[idx]).abs().mean()):.3e}, "
+          f"|old - fp64| {float((dw_old[idx] - ref[idx]).abs().mean()):.3e}; subnormal terms: {tiny_n} xhat, "
+          f"{tiny_p} products")
+    for i in idx[:4].tolist():
+        print(f"    dw[{i}]: new {float(dw_new[i])!r}, old {float(dw_old[i])!r}, fp64 {float(ref[i])!r}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old-csrc", type=Path, required=True, help="the other tree's csrc/ directory")
+    args = parser.parse_args()
+    old_dir = args.old_csrc.resolve()
+    if not (old_dir / "rmsnorm" / "rmsnorm.cu").is_file():
+        sys.exit(f"ab_rmsnorm_bits: {old_dir} holds no rmsnorm/rmsnorm.cu; pass a csrc/ directory")
+    os.environ["LF_AB_OLD_CSRC"] = str(old_dir)
+    mods = build_ops([FusedRMSNormBuilder(), OldRMSNormBuilder()])
+    new, old = mods["lf_fused_rmsnorm"], mods["lf_fused_rmsnorm_old"]
+    if isinstance(new, Exception) or isinstance(old, Exception):
+        sys.exit(f"ab_rmsnorm_bits: a build failed: {mods}")
+    n = bad = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for wdt in (dtype, torch.float32):
+            for rows, hidden in SHAPES:
+                for res in (False, True):
+                    for stock in (True, False):
+                        inputs, a, b = run_both(new, old, dtype, wdt, rows, hidden, res, stock)
+                        n += 1
+                        diffs = {k: float((a[k] != b[k]).float().mean()) for k in a if a[k] is not None}
+                        if any(diffs.values()):
+                            bad += 1
+                            print("DIFF", dtype, "weight", wdt, f"{rows}x{hidden}", "residual" if res else "",
+                                  "stock" if stock else "once", "share differing:", diffs)
+                            if diffs["dw"]:
+                                report_dw(inputs, a, b, dtype, wdt)
+    print(f"ab_rmsnorm_bits: {n} cases, {bad} differ")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
