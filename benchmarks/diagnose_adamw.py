@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, environment, measure_copy_bandwidth
-from ds_loongforge.op_builder import FusedAdamWClipBuilder, build_ops
+from benchmarks.harness import Timer, build_variants, environment, flag_variant_builders, measure_copy_bandwidth
+from ds_loongforge.op_builder import FusedAdamWClipBuilder
 
 PARAMS = 1_844_000_000  # the e2e mixtral model (28137 chunks of 65536 in its trace)
 TENSORS = 32
@@ -38,30 +38,16 @@ BYTES_PER_PARAM = 28
 LR, BETA1, BETA2, EPS, WD, MAX_NORM, CLIP_EPS = 1e-4, 0.9, 0.95, 1e-8, 0.01, 1.0, 1e-6
 
 
-class _VariantBuilder(FusedAdamWClipBuilder):
-    """The AdamW op compiled with FLAGS (-D macros), under a name of its own."""
-
-    FLAGS: dict = {}
-
-    def nvcc_args(self):
-        return super().nvcc_args() + [f"-D{name}={value}" for name, value in self.FLAGS.items()]
-
-
 VARIANTS = {"base": {}, "lb2": {"LF_ADAMW_MIN_BLOCKS": 2},
             "t256x4": {"LF_ADAMW_THREADS": 256, "LF_ADAMW_MIN_BLOCKS": 4}, "v4": {"LF_ADAMW_VEC": 4}}
 # one importable class per variant: build_ops compiles each in a spawned process that imports it by name
-BUILDERS = {v: type(f"AdamW_{v}_Builder", (_VariantBuilder,), {"NAME": f"lf_fused_adamw_clip_{v}", "FLAGS": flags,
-                                                                "__module__": __name__})
-            for v, flags in VARIANTS.items()}
+BUILDERS = flag_variant_builders(FusedAdamWClipBuilder, VARIANTS, __name__, "AdamW")
 globals().update({cls.__name__: cls for cls in BUILDERS.values()})
 
 
 def build_all(variants: list[str]) -> dict:
-    modules = build_ops([BUILDERS[v]() for v in variants])
-    failed = {name: err for name, err in modules.items() if isinstance(err, Exception)}
-    if failed:
-        raise RuntimeError(f"diagnose_adamw: builds failed: {failed}")
-    return {v: modules[BUILDERS[v].NAME] for v in variants}
+    """One build per variant, compiled in parallel (build_ops), then loaded from torch's cache."""
+    return build_variants(BUILDERS, variants, "diagnose_adamw")
 
 
 def make_state(sizes: list[int], seed: int) -> dict:

@@ -26,38 +26,23 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, environment, measure_copy_bandwidth
-from ds_loongforge.op_builder import MoEDispatchBuilder, build_ops
+from benchmarks.harness import Timer, build_variants, environment, flag_variant_builders, measure_copy_bandwidth
+from ds_loongforge.op_builder import MoEDispatchBuilder
 
 # (name, tokens, hidden, experts, top_k): launch/train.py's e2e presets, 4 x 2048 tokens
 SHAPES = (("mixtral_e2e", 8192, 2048, 8, 2), ("finegrained_e2e", 8192, 2048, 64, 8))
 
 
-class _VariantBuilder(MoEDispatchBuilder):
-    """The dispatch op compiled with FLAGS (-D macros), under a name of its own."""
-
-    FLAGS: dict = {}
-
-    def nvcc_args(self):
-        return super().nvcc_args() + [f"-D{name}={value}" for name, value in self.FLAGS.items()]
-
-
 VARIANTS = {"pipelined": {}, "one_token": {"LF_GATHER_PIPELINED": 0}, "loads1": {"LF_DISPATCH_LOADS_IN_FLIGHT": 1},
             "loads2": {"LF_DISPATCH_LOADS_IN_FLIGHT": 2}, "loads8": {"LF_DISPATCH_LOADS_IN_FLIGHT": 8}}
 # one importable class per variant: build_ops compiles each in a spawned process that imports it by name
-BUILDERS = {v: type(f"Dispatch_{v}_Builder", (_VariantBuilder,), {"NAME": f"lf_moe_dispatch_{v}", "FLAGS": flags,
-                                                                  "__module__": __name__})
-            for v, flags in VARIANTS.items()}
+BUILDERS = flag_variant_builders(MoEDispatchBuilder, VARIANTS, __name__, "Dispatch")
 globals().update({cls.__name__: cls for cls in BUILDERS.values()})
 
 
 def build_all(variants: list[str]) -> dict:
     """One build per variant, compiled in parallel (build_ops), then loaded from torch's cache."""
-    modules = build_ops([BUILDERS[v]() for v in variants])
-    failed = {name: err for name, err in modules.items() if isinstance(err, Exception)}
-    if failed:
-        raise RuntimeError(f"diagnose_dispatch: builds failed: {failed}")
-    return {v: modules[BUILDERS[v].NAME] for v in variants}
+    return build_variants(BUILDERS, variants, "diagnose_dispatch")
 
 
 def inputs(tokens: int, hidden: int, experts: int, top_k: int, module):

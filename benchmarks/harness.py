@@ -132,6 +132,32 @@ class Timer:
         return times
 
 
+def flag_variant_builders(base: type, variants: dict[str, dict], module: str, tag: str) -> dict[str, type]:
+    """One op-builder class per variant: ``base`` compiled with the variant's ``-D`` macros, under the name
+    ``<base.NAME>_<variant>``, to build and time kernel variants side by side in one run. The caller binds the
+    classes in its module (``globals().update``) named ``module``: build_ops compiles each in a spawned process,
+    which imports the class by its module and name."""
+
+    def nvcc_args(self):
+        return base.nvcc_args(self) + [f"-D{name}={value}" for name, value in self.FLAGS.items()]
+
+    return {v: type(f"{tag}_{v}_Builder", (base,), {"NAME": f"{base.NAME}_{v}", "FLAGS": flags,
+                                                    "nvcc_args": nvcc_args, "__module__": module})
+            for v, flags in variants.items()}
+
+
+def build_variants(builders: dict[str, type], variants: list[str], who: str) -> dict:
+    """{variant: loaded module}: one build per variant, compiled in parallel (build_ops), then loaded from the
+    cache; any failed build is an error naming them."""
+    from ds_loongforge.op_builder import build_ops
+
+    modules = build_ops([builders[v]() for v in variants])
+    failed = {name: err for name, err in modules.items() if isinstance(err, Exception)}
+    if failed:
+        raise RuntimeError(f"{who}: builds failed: {failed}")
+    return {v: modules[builders[v].NAME] for v in variants}
+
+
 def measure_copy_bandwidth(timer: Timer, n_bytes: int = 2 * 1024**3) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(n_bytes // 4, device="cuda")

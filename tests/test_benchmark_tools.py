@@ -88,3 +88,19 @@ def test_loss_floor_table_compares_each_seed_with_its_own_stock_run():
     assert len(table(rows, [1, 2], ["stock", "loongforge"])) == 3  # --variants: only the ones that ran
     eager = next(line for line in lines if line.startswith("| stock-eager |"))
     assert "+1.00, -1.00" in eager and "| +0.00 ± 1.41 | 1.00 |" in eager
+
+
+def test_flag_variant_builders_compile_each_variant_under_its_own_name_with_its_macros():
+    """benchmarks.harness.flag_variant_builders: what diagnose_adamw/diagnose_dispatch build side by side."""
+    from benchmarks.harness import flag_variant_builders
+    from ds_loongforge.op_builder import FusedAdamWClipBuilder
+
+    builders = flag_variant_builders(FusedAdamWClipBuilder, {"base": {}, "lb2": {"LF_ADAMW_MIN_BLOCKS": 2}},
+                                     __name__, "T")
+    base, lb2 = builders["base"](), builders["lb2"]()
+    assert (base.NAME, lb2.NAME) == ("lf_fused_adamw_clip_base", "lf_fused_adamw_clip_lb2")
+    stock_args = FusedAdamWClipBuilder().nvcc_args()
+    assert base.nvcc_args() == stock_args
+    assert lb2.nvcc_args() == stock_args + ["-DLF_ADAMW_MIN_BLOCKS=2"]
+    assert "--use_fast_math" not in lb2.nvcc_args()  # the op's own choices are kept
+    assert type(lb2).__module__ == __name__ and type(lb2).__name__ == "T_lb2_Builder"
