@@ -20,7 +20,9 @@ constexpr int kThreads = 512;
 constexpr int kReduceThreads = 1024;
 // The update's block size, resident blocks asked of ptxas (__launch_bounds__'s second argument: it caps the
 // registers so that many fit on an SM) and elements per thread and step. Macros so that
-// benchmarks/diagnose_adamw.py can build and time variants side by side; the defaults are the kernel's.
+// benchmarks/diagnose_adamw.py can build and time variants side by side; the defaults are the kernel's. On the
+// H200 (030a37f) the defaults (70 registers, one 512-thread block an SM) ran the e2e workload at 95.3% of copy;
+// 64-register builds with twice the resident warps ran 7-10% slower, 4 elements a thread 1% slower.
 #ifndef LF_ADAMW_THREADS
 #define LF_ADAMW_THREADS 512
 #endif

@@ -32,7 +32,9 @@ constexpr int kRowsSmem = 8 * 32;  // 32 floats per row slot; row slots per bloc
 
 // The two roundings as selects on one expression (no second copy of the loop body, which cost the 64-register
 // backward kernels their spill-free code): xhat as the forward stores it, the input gradient w * dy as autograd
-// stores the gradient of that xhat, and dw's term dy * xhat, stored in T by autograd when w is T.
+// stores the gradient of that xhat, and dw's term dy * xhat, stored in T by autograd when w is T. The register
+// path's kernels round the same values two at a time instead (lf_round_pair: one packed conversion, where sm_90
+// runs scalar ones at a quarter rate), its backward with the rounding as a template parameter.
 template <typename T>
 __device__ __forceinline__ float normed(float xhat, bool stock) {
     return stock ? lf_round_to<T>(xhat) : xhat;
