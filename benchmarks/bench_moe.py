@@ -15,8 +15,9 @@ permutation and combine are not counted.
 Every variant gets the same weights (copied from one set; HF and ours share parameter names and layouts,
 DeepSpeed's are copied expert by expert, AutoEP repacks HF's itself) and the same input and output
 gradient. Before timing, each variant's output and gradients are compared with HF eager's (relative L2
-error, in the JSON). Input tokens on a bf16/fp32 router near-tie are redrawn first, so that DeepSpeed MoE's
-fp32 router picks the same experts as the others' bf16 routers. Timing: benchmarks/harness.py's Timer (L2
+error, in the JSON). Input tokens on a bf16/fp32 router near-tie, or on a tie of bf16 logits at the top-k
+boundary, are redrawn first, so that DeepSpeed MoE's fp32 router picks the same experts as the others' bf16
+routers, and every top-k breaks no tie (the CPU's torch.topk breaks them otherwise than CUDA's and ours). Timing: benchmarks/harness.py's Timer (L2
 flushed and a GPU head start before each repeat), fwd+bwd with torch.autograd.grad over the input and
 every parameter, median of --repeats (fewer for the slow HF-eager and DeepSpeed-MoE variants). Each
 variant is freed before the next is built.
@@ -455,10 +456,17 @@ def fwd_bwd(built: Built, x: torch.Tensor, dy: torch.Tensor):
 
 def router_near_ties_T(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int) -> torch.Tensor:
     """Tokens whose top-k expert set differs between a bf16 router (ours, HF, AutoEP: bf16 logits) and an
-    fp32 one (DeepSpeed's TopKGate upcasts input and weight before the logits)."""
-    ids_bf16 = torch.topk(torch.softmax(F.linear(x_TH, gate_EH).float(), -1), k, dim=-1).indices.sort(-1).values
+    fp32 one (DeepSpeed's TopKGate upcasts input and weight before the logits), and tokens whose k-th and
+    (k+1)-th bf16 logits are equal: which of those two a router takes is its top-k's tie-break (ours takes the
+    lower expert, as torch.topk does on CUDA; the CPU's torch.topk may take the other)."""
+    logits = F.linear(x_TH, gate_EH).float()
+    ids_bf16 = torch.topk(torch.softmax(logits, -1), k, dim=-1).indices.sort(-1).values
     ids_fp32 = torch.topk(torch.softmax(F.linear(x_TH.float(), gate_EH.float()), -1), k, dim=-1).indices
-    return (ids_bf16 != ids_fp32.sort(-1).values).any(-1)
+    near = (ids_bf16 != ids_fp32.sort(-1).values).any(-1)
+    if k < logits.shape[-1]:
+        top = torch.topk(logits, k + 1, dim=-1).values
+        near |= top[:, k - 1] == top[:, k]
+    return near
 
 
 def dense_gemm_chain_ms(shape: Shape, timer, device: torch.device) -> float:
@@ -722,8 +730,9 @@ def main():
         "input, the shared reference copies and the timer's flush buffer).",
         f"Correctness: relative L2 error vs HF eager of the output, dx and each parameter gradient (in HF's "
         f"layout), from the same weights, input and output gradient; 'agrees' = all <= {AGREE_TOL}. Input "
-        "tokens whose top-K experts differ between a bf16 router and DeepSpeed MoE's fp32 router are redrawn "
-        "first, so every variant routes every token alike.",
+        "tokens whose top-K experts differ between a bf16 router and DeepSpeed MoE's fp32 router, or whose K-th "
+        "and (K+1)-th bf16 logits are equal (a top-k tie-break), are redrawn first, so every variant routes every "
+        "token alike.",
         "Anchors: shared/BENCHMARKS.md, an earlier H200 run (torch 2.11+cu130, transformers 5.17, DeepSpeed 0.19.8).",
         f"Wall time of this run: {time.time() - start:.0f} s.",
     ]
