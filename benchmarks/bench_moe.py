@@ -17,10 +17,10 @@ DeepSpeed's are copied expert by expert, AutoEP repacks HF's itself) and the sam
 gradient. Before timing, each variant's output and gradients are compared with HF eager's (relative L2
 error, in the JSON). Input tokens on a bf16/fp32 router near-tie, or on a tie of bf16 logits at the top-k
 boundary, are redrawn first, so that DeepSpeed MoE's fp32 router picks the same experts as the others' bf16
-routers, and every top-k breaks no tie (the CPU's torch.topk breaks them otherwise than CUDA's and ours). Timing: benchmarks/harness.py's Timer (L2
-flushed and a GPU head start before each repeat), fwd+bwd with torch.autograd.grad over the input and
-every parameter, median of --repeats (fewer for the slow HF-eager and DeepSpeed-MoE variants). Each
-variant is freed before the next is built.
+routers, and every top-k breaks no tie (the CPU's torch.topk breaks them otherwise than CUDA's and ours).
+Timing: benchmarks/harness.py's Timer (L2 flushed and a GPU head start before each repeat), fwd+bwd with
+torch.autograd.grad over the input and every parameter, median of --repeats (fewer for the slow HF-eager and
+DeepSpeed-MoE variants). Each variant is freed before the next is built.
 
 Expected on one H200 (shared/BENCHMARKS.md anchors, one earlier run): floor ~22.1 / ~3.15 ms; HF grouped_mm
 37.3 / 13.2 ms, HF eager 58.0 / 95.9, DeepSpeed MoE 39.5 / 39.8; target for ours <= 25.4 / <= 6.3 ms. About a
