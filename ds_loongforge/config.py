@@ -40,9 +40,9 @@ class FusedKernelsConfig(_Section):
                                                "block its fp32 k-sum before the decoder layer's residual add), so "
                                                "these modules compute stock's numbers up to fp32 summation order; "
                                                "once: fp32 to each output, rounded once (closer to exact, different "
-                                               "from stock). SwiGLU costs the same under both at p = 0; the RMSNorm "
-                                               "backward ~8% more under stock on the H200. fp32 models compute the "
-                                               "same under both.")
+                                               "from stock). Both cost the same on the H200 (SwiGLU at p = 0, RMSNorm, "
+                                               "the MoE combine; SwiGLU with dropout ~4% more under stock). fp32 "
+                                               "models compute the same under both.")
     linear_cross_entropy: bool = Field(True, strict=True, description="Compute a causal LM's training loss with the "
                                        "fused LM head + cross-entropy (ds_loongforge.ops.linear_cross_entropy: "
                                        "chunked, no full logits or fp32 copy of them). Training forwards with "

@@ -173,13 +173,13 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                         acc[k][j] += p0;
                         acc[k][j + 1] += p1;
                     }
-                } else {
+                } else {  // "once": no rounding
 #pragma unroll
                     for (int j = 0; j < V; ++j) {
                         const float d = static_cast<float>(dv[k].val[j]);
                         const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
-                        dot += xhat * grad_in<T>(d * static_cast<float>(wv.val[j]), stock);
-                        acc[k][j] += dw_term<T, W>(d, xhat, stock);
+                        dot += xhat * (d * static_cast<float>(wv.val[j]));
+                        acc[k][j] += d * xhat;
                     }
                 }
             }
