@@ -10,28 +10,16 @@ output's elements that differ, and for dw (an fp32 sum over rows) both builds' d
 same rounded terms.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import other_tree_builder, use_other_tree
 from ds_loongforge.op_builder import FusedRMSNormBuilder, build_ops
 
 
-def _old_csrc() -> Path:
-    # read when building, in this process and in build_ops' spawned ones, which inherit the environment
-    return Path(os.environ["LF_AB_OLD_CSRC"])
-
-
-class OldRMSNormBuilder(FusedRMSNormBuilder):
-    NAME = "lf_fused_rmsnorm_old"
-
-    def sources(self):
-        return [str(_old_csrc() / s) for s in self.SOURCES]
-
-    def include_paths(self):
-        return [str(_old_csrc() / "includes")]
+OldRMSNormBuilder = other_tree_builder(FusedRMSNormBuilder, __name__, "OldRMSNormBuilder")
 
 
 SHAPES = ((257, 4096), (8192, 2048), (64, 5120), (33, 7168), (17, 16384), (513, 64), (129, 8), (300, 2880),
@@ -79,10 +67,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old-csrc", type=Path, required=True, help="the other tree's csrc/ directory")
     args = parser.parse_args()
-    old_dir = args.old_csrc.resolve()
-    if not (old_dir / "rmsnorm" / "rmsnorm.cu").is_file():
-        sys.exit(f"ab_rmsnorm_bits: {old_dir} holds no rmsnorm/rmsnorm.cu; pass a csrc/ directory")
-    os.environ["LF_AB_OLD_CSRC"] = str(old_dir)
+    use_other_tree(args.old_csrc, "rmsnorm/rmsnorm.cu", "ab_rmsnorm_bits")
     mods = build_ops([FusedRMSNormBuilder(), OldRMSNormBuilder()])
     new, old = mods["lf_fused_rmsnorm"], mods["lf_fused_rmsnorm_old"]
     if isinstance(new, Exception) or isinstance(old, Exception):

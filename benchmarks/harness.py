@@ -146,6 +146,34 @@ def flag_variant_builders(base: type, variants: dict[str, dict], module: str, ta
             for v, flags in variants.items()}
 
 
+OTHER_CSRC_ENV = "LF_AB_OLD_CSRC"
+
+
+def other_tree_builder(base: type, module: str, class_name: str) -> type:
+    """``base`` compiled from another source tree's csrc/ (the directory in $LF_AB_OLD_CSRC, read when building, in
+    this process and in build_ops' spawned ones, which inherit the environment), under ``<base.NAME>_old``: to run
+    a kernel before and after a change side by side in one process. Bind it in ``module`` as ``class_name``:
+    build_ops' spawned processes import it by those. Such a tree comes from
+    ``git archive <rev> csrc | tar -x -C /tmp/old``."""
+
+    def tree(_self) -> Path:
+        return Path(os.environ[OTHER_CSRC_ENV])
+
+    return type(class_name, (base,), {
+        "NAME": f"{base.NAME}_old", "__module__": module,
+        "sources": lambda self: [str(tree(self) / s) for s in self.SOURCES],
+        "include_paths": lambda self: [str(tree(self) / "includes")]})
+
+
+def use_other_tree(csrc: Path, probe: str, who: str) -> None:
+    """Point :func:`other_tree_builder`'s classes at ``csrc``, after checking it holds ``probe`` (a source path
+    relative to csrc/); a wrong directory is an error naming it."""
+    csrc = csrc.resolve()
+    if not (csrc / probe).is_file():
+        raise SystemExit(f"{who}: {csrc} holds no {probe}; pass a csrc/ directory")
+    os.environ[OTHER_CSRC_ENV] = str(csrc)
+
+
 def build_variants(builders: dict[str, type], variants: list[str], who: str) -> dict:
     """{variant: loaded module}: one build per variant, compiled in parallel (build_ops), then loaded from the
     cache; any failed build is an error naming them."""

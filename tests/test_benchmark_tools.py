@@ -104,3 +104,23 @@ def test_flag_variant_builders_compile_each_variant_under_its_own_name_with_its_
     assert lb2.nvcc_args() == stock_args + ["-DLF_ADAMW_MIN_BLOCKS=2"]
     assert "--use_fast_math" not in lb2.nvcc_args()  # the op's own choices are kept
     assert type(lb2).__module__ == __name__ and type(lb2).__name__ == "T_lb2_Builder"
+
+
+def test_other_tree_builder_compiles_the_other_trees_sources(tmp_path, monkeypatch):
+    """benchmarks.harness.other_tree_builder / use_other_tree: an op built from another csrc/ beside this one's
+    (ab_rmsnorm_bits, diagnose_cross_entropy --old-csrc); a directory without the op's sources is refused."""
+    from benchmarks.harness import OTHER_CSRC_ENV, other_tree_builder, use_other_tree
+    from ds_loongforge.op_builder import FusedCrossEntropyBuilder
+
+    cls = other_tree_builder(FusedCrossEntropyBuilder, __name__, "OldCE")
+    assert cls.__name__ == "OldCE" and cls.__module__ == __name__ and cls.NAME == "lf_cross_entropy_old"
+    with pytest.raises(SystemExit, match="holds no cross_entropy/cross_entropy.cu"):
+        use_other_tree(tmp_path, "cross_entropy/cross_entropy.cu", "who")
+    (tmp_path / "cross_entropy").mkdir()
+    (tmp_path / "cross_entropy" / "cross_entropy.cu").write_text("")
+    monkeypatch.setenv(OTHER_CSRC_ENV, "unset")  # so that the test leaves the environment as it found it
+    use_other_tree(tmp_path, "cross_entropy/cross_entropy.cu", "who")
+    builder = cls()
+    assert builder.sources() == [str(tmp_path.resolve() / s) for s in FusedCrossEntropyBuilder.SOURCES]
+    assert builder.include_paths() == [str(tmp_path.resolve() / "includes")]
+    assert builder.nvcc_args() == FusedCrossEntropyBuilder().nvcc_args()

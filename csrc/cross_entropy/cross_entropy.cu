@@ -5,22 +5,30 @@
 //   nll[r]  = valid[r] ? lse - x[target[r]] : 0
 //   grad[r] = (exp(x - lse) - onehot(target[r])) * scale[r]      (only when grad is given; cast once)
 //
-// computed as torch's log_softmax does, log_sum - (x[t] - max) and exp((x - max) - log_sum): lse itself, rounded
-// at the magnitude of the logits, would cost large logits (~1000) about 1e-4 absolute in both. Arithmetic is fp32.
+// The nll is computed as torch's log_softmax does, log_sum - (x[t] - max): lse itself, rounded at the magnitude
+// of the logits, would cost large logits (~1000) about 1e-4 absolute. The gradient is exp(x - max) * (scale /
+// sum), and its target element (exp(x_t - max) / sum - 1) * scale: no log_sum in the exponent, so each
+// probability carries the rounding of x - max (exact for 16-bit logits) and of its own exp, not that of
+// (x - max) - log_sum at the magnitude of log_sum.
+// Every exp of the row is one MUFU.EX2 of (x - max) * log2(e) (exp_shifted): at most 2^-22 relative from the
+// SFU, plus the product's rounding, 2^-24 |x - max| log2(e) relative, which is what rounding x - max - log_sum
+// already cost the libm expf form, and small where the probability is not. libm's expf (range reduction, then
+// the same MUFU, then a rescale: ~9 instructions) made this kernel issue-bound: on the H200 its bf16 chunk
+// (C = 2048, V = 32000) took 115 us, 40 SASS instructions an element, where reading the logits and writing the
+// gradient take ~61 us. The running (max, sum) rescales keep libm's expf: they are a few per thread, and their
+// argument can be any size.
 //
 // One thread block per row (a 1-D grid of C blocks, so C may reach 2^31 - 1). Pass 1 reads the row once with a
 // per-thread online (max, sum) and reduces the pairs over the block; pass 2 reads the row again, back to front so
 // that it starts with what pass 1 read last, which L2 most likely still holds, and writes the gradient. The block
 // size shrinks with V, so small vocabularies do not idle 512 threads per row.
 // Rows of at most kRegGroups vectors per thread take cross_entropy_regs_kernel instead: one read, the row kept in
-// registers (see there); on the H200 a bf16 chunk (C = 2048, V = 32000, bf16 gradient) took 115 us that way and
-// 131 us streaming (2274 and 2000 GB/s of read + write). The streaming kernel handles longer rows and the scalar
-// (misaligned) path.
-// Measured on an H200 (C = 2048, V = 32000, fp32 logits, bf16 gradient): 156 us, against 93 us for a plain copy
-// of the same bytes (read fp32, write bf16) and 640 us for the eager path. The gap is pass 2's re-read: with ~500
-// rows of 128 KB in flight only part of them stays in L2. Blocks of 256 or 1024 threads were slower at V = 32000
-// and V = 152064. 16-bit logits (what the unfused path of a bf16 model computes: its logits GEMM writes bf16) are
-// read 16 bytes (8 values) at a time, half the bytes of fp32 per row.
+// registers (see there). The streaming kernel handles longer rows, fp32 rows beyond 16384, and the scalar
+// (misaligned) path. With libm's expf (before the change above), an H200 took 115 us for a bf16 chunk in
+// registers and 131 us streaming (2274 and 2000 GB/s of read + write), and 156 us for fp32 logits (bf16
+// gradient) against 93 us for a plain copy of the same bytes; blocks of 256 or 1024 threads were slower at
+// V = 32000 and V = 152064. 16-bit logits (what the unfused path of a bf16 model computes: its logits GEMM writes
+// bf16) are read 16 bytes (8 values) at a time, half the bytes of fp32 per row.
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -35,6 +43,16 @@ namespace {
 constexpr int kMaxThreads = 512;
 constexpr int kUnroll = 4;
 constexpr int kVecsPerThread = 8;  // below this many elements (or float4s) per thread a smaller block is chosen
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(d) for d = x - max <= 0 (or -inf, giving 0; nan stays nan): one FMUL and one MUFU.EX2. ex2.approx.ftz flushes
+// results below 2^-126 to zero, which a probability times a scale of order 1 rounds to anyway in every output dtype.
+__device__ __forceinline__ float exp_shifted(float d) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(d * kLog2e));
+    return e;
+}
 
 struct MaxSum {
     float max, sum;  // sum of exp(x - max) over the elements seen; (-inf, 0) before any finite one
@@ -60,7 +78,7 @@ __device__ __forceinline__ void add_values(MaxSum& acc, const float (&v)[N]) {
     }
     if (m == -INFINITY) return;
 #pragma unroll
-    for (int j = 0; j < N; ++j) acc.sum += expf(v[j] - acc.max);
+    for (int j = 0; j < N; ++j) acc.sum += exp_shifted(v[j] - acc.max);
 }
 
 // Every thread returns the block's (max, sum); the merge order is fixed, so results are deterministic.
@@ -79,8 +97,27 @@ __device__ __forceinline__ MaxSum block_max_sum(MaxSum v, MaxSum* smem) {
 }
 
 struct RowEnd {
-    float max, log_sum;  // the row's max and log(sum of exp(x - max)): what the gradient needs
+    float max, inv_sum;  // the row's max and 1 / sum(exp(x - max)): what the gradient needs
 };
+
+// The gradient of W consecutive logits starting at element `first`: exp(x - max) * (scale / sum), and for the target
+// (exp(x_t - max) / sum - 1) * scale. The target test is one comparison a group, not one an element.
+template <typename G, int W>
+__device__ __forceinline__ Vec<G, W> grad_group(const float (&v)[W], const RowEnd& row, float s, float s_over_sum,
+                                                int64_t first, int64_t t) {
+    Vec<G, W> out;
+    if (t >= first && t < first + W) {
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+            const float e = exp_shifted(v[j] - row.max);
+            out.val[j] = static_cast<G>(first + j == t ? (e * row.inv_sum - 1.f) * s : e * s_over_sum);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < W; ++j) out.val[j] = static_cast<G>(exp_shifted(v[j] - row.max) * s_over_sum);
+    }
+    return out;
+}
 
 // A row's end, shared by both kernels: the block's (max, sum of exp), the log of the sum, and thread 0's nll write
 // (valid and nll point at this row's entries).
@@ -88,12 +125,11 @@ template <typename X>
 __device__ __forceinline__ RowEnd finish_row(const MaxSum& acc, MaxSum* smem, const X* __restrict__ x, int64_t t,
                                              int64_t vocab, const bool* valid, float* nll) {
     const MaxSum row = block_max_sum(acc, smem);
-    const float log_sum = logf(row.sum);
     if (threadIdx.x == 0) {
         CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
-        *nll = *valid ? log_sum - (static_cast<float>(x[t]) - row.max) : 0.f;
+        *nll = *valid ? logf(row.sum) - (static_cast<float>(x[t]) - row.max) : 0.f;
     }
-    return RowEnd{row.max, log_sum};
+    return RowEnd{row.max, 1.f / row.sum};
 }
 
 // W consecutive logits of group i, as fp32: one 16-byte load on the vector path (W = 16 / sizeof(X)).
@@ -173,6 +209,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (grad_all == nullptr) return;
 
     const float s = scale[r];
+    const float s_over_sum = s * row.inv_sum;
     G* g = grad_all + r * grad_stride;
     for (int64_t i0 = n - 1 - threadIdx.x; i0 >= 0; i0 -= kUnroll * step) {
         float v[kUnroll][W];
@@ -184,13 +221,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         for (int u = 0; u < kUnroll; ++u) {
             const int64_t i = i0 - u * step;
             if (i < 0) break;
-            Vec<G, W> out;
-#pragma unroll
-            for (int j = 0; j < W; ++j) {
-                const float p = expf((v[u][j] - row.max) - row.log_sum) - (i * W + j == t ? 1.f : 0.f);
-                out.val[j] = static_cast<G>(p * s);
-            }
-            store_vec<G, W>(g + i * W, out);
+            store_vec<G, W>(g + i * W, grad_group<G, W>(v[u], row, s, s_over_sum, i * W, t));
         }
     }
 }
@@ -239,19 +270,17 @@ __global__ void __launch_bounds__(kMaxThreads, 2)  // <= 64 registers: two 512-t
 #pragma unroll
     for (int u = 0; u < kRegGroups; ++u) asm volatile("" : "+r"(q[u].x), "+r"(q[u].y), "+r"(q[u].z), "+r"(q[u].w));
     const float s = scale[r];
+    const float s_over_sum = s * row.inv_sum;
     G* g = grad_all + r * grad_stride;
 #pragma unroll
     for (int u = 0; u < kRegGroups; ++u) {
         const int i = threadIdx.x + u * step;
         if (i >= n) break;
-        Vec<G, W> out;
+        float v[W];
 #pragma unroll
-        for (int j = 0; j < W; ++j) {
-            const float p = expf((lane<X>(q[u], j) - row.max) - row.log_sum) -
-                            (static_cast<int64_t>(i) * W + j == t ? 1.f : 0.f);
-            out.val[j] = static_cast<G>(p * s);
-        }
-        store_vec<G, W>(g + static_cast<int64_t>(i) * W, out);
+        for (int j = 0; j < W; ++j) v[j] = lane<X>(q[u], j);
+        store_vec<G, W>(g + static_cast<int64_t>(i) * W,
+                        grad_group<G, W>(v, row, s, s_over_sum, static_cast<int64_t>(i) * W, t));
     }
 }
 
