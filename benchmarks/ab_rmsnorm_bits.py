@@ -4,6 +4,10 @@ compared bit for bit: for a kernel change that should not move a bit (e.g. 71cee
     git archive <rev> csrc | tar -x -C /tmp/old        # here; the tree must travel with the device call
     python -m benchmarks.ab_rmsnorm_bits --old-csrc /tmp/old/csrc
 
+With --time, both builds' backward is then timed, interleaved round by round (the same clocks for both), at the
+e2e shapes (8192 rows of 2048 and 4096, bf16, stock rounding, with and without the residual's gradient), against
+the copy rate of its bytes (reads dy, h, w and the residual's gradient, writes dx; dw's partials not counted).
+
 Cases: bf16, fp16 and fp32 activations, weights of their dtype or fp32, 11 shapes that hit every kernel path,
 with and without the residual, both roundings (264 in all). For a case that differs it prints the share of each
 output's elements that differ, and for dw (an fp32 sum over rows) both builds' distance from an fp64 sum of the
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import other_tree_builder, use_other_tree
+from benchmarks.harness import Timer, measure_copy_bandwidth, other_tree_builder, use_other_tree
 from ds_loongforge.op_builder import FusedRMSNormBuilder, build_ops
 
 
@@ -63,9 +67,33 @@ def report_dw(inputs, new, old, dtype, wdt):
         print(f"    dw[{i}]: new {float(dw_new[i])!r}, old {float(dw_old[i])!r}, fp64 {float(ref[i])!r}")
 
 
+TIMED_SHAPES = ((8192, 2048), (8192, 4096))
+
+
+def time_backward(new, old, repeats: int) -> None:
+    timer = Timer(repeats=repeats)
+    copy_gbps = measure_copy_bandwidth(timer)
+    print(f"backward, bf16, stock rounding; copy {copy_gbps:.0f} GB/s")
+    for rows, hidden in TIMED_SHAPES:
+        for res in (True, False):
+            g = torch.Generator(device="cuda").manual_seed(rows + hidden)
+            x, r, dy, dres = (torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
+            w = (1 + 0.5 * torch.randn(hidden, device="cuda", generator=g)).to(torch.bfloat16)
+            _, h, rstd = new.forward(x, r, w, 1e-6, True)
+            dres = dres if res else None
+            times = timer.interleaved({name: (lambda m=m: m.backward(dy, h, rstd, w, dres, True))
+                                       for name, m in (("new", new), ("old", old))})
+            moved = rows * hidden * 2 * (4 if res else 3)
+            print(f"  {rows}x{hidden} {'with' if res else 'without'} the residual's gradient: " + ", ".join(
+                f"{name} {ms * 1e3:.1f} us ({100 * moved / (ms * 1e-3) / 1e9 / copy_gbps:.1f}% of copy)"
+                for name, ms in times.items()))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old-csrc", type=Path, required=True, help="the other tree's csrc/ directory")
+    parser.add_argument("--time", action="store_true", help="also time both builds' backward at the e2e shapes")
+    parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
     use_other_tree(args.old_csrc, "rmsnorm/rmsnorm.cu", "ab_rmsnorm_bits")
     mods = build_ops([FusedRMSNormBuilder(), OldRMSNormBuilder()])
@@ -88,6 +116,8 @@ def main():
                             if diffs["dw"]:
                                 report_dw(inputs, a, b, dtype, wdt)
     print(f"ab_rmsnorm_bits: {n} cases, {bad} differ")
+    if args.time:
+        time_backward(new, old, args.repeats)
     return 1 if bad else 0
 
 

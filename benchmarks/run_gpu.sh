@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_cross_entropy, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_cross_entropy, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
 # "tests" step (default: all of tests/).
@@ -119,6 +119,17 @@ has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or 
 has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.py --out $RES
 # the AdamW update built per launch shape (block size, resident blocks, elements a thread), timed idle and after GEMMs
 has diagnose_adamw && step diagnose_adamw python3 -m benchmarks.diagnose_adamw --out $RES/diagnose_adamw.json
+# the RMSNorm op against another tree's build (LF_OLD_CSRC): every output's bits over 264 cases, then both builds'
+# backward timed side by side
+has ab_rmsnorm && step ab_rmsnorm python3 -m benchmarks.ab_rmsnorm_bits --old-csrc "${LF_OLD_CSRC:?set LF_OLD_CSRC to another tree csrc/ directory}" --time
+# hardware counters (Nsight Compute) of our kernels that stay below the copy rate in the e2e step; --clock-control
+# none leaves the clocks as the device runs them
+if has ncu_kernels; then
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  step ncu_kernels "${ncu_bin:-ncu}" --clock-control none --nvtx --nvtx-include "lf/" --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python3 -m benchmarks.ncu_kernels
+fi
 # the softmax cross-entropy kernel on the LM heads' chunk shapes; LF_OLD_CSRC: another tree's csrc/ to time beside it
 has diagnose_cross_entropy && step diagnose_cross_entropy python3 -m benchmarks.diagnose_cross_entropy \
   --out $RES/diagnose_cross_entropy.json ${LF_OLD_CSRC:+--old-csrc $LF_OLD_CSRC}

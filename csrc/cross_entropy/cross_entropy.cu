@@ -13,10 +13,12 @@
 // Every exp of the row is one MUFU.EX2 of (x - max) * log2(e) (exp_shifted): at most 2^-22 relative from the
 // SFU, plus the product's rounding, 2^-24 |x - max| log2(e) relative, which is what rounding x - max - log_sum
 // already cost the libm expf form, and small where the probability is not. libm's expf (range reduction, then
-// the same MUFU, then a rescale: ~9 instructions) made this kernel issue-bound: on the H200 its bf16 chunk
-// (C = 2048, V = 32000) took 115 us, 40 SASS instructions an element, where reading the logits and writing the
-// gradient take ~61 us. The running (max, sum) rescales keep libm's expf: they are a few per thread, and their
-// argument can be any size.
+// the same MUFU, then a rescale: ~9 instructions) made this kernel issue-bound, 40 SASS instructions an element
+// in the register kernel; now ~14. On the H200 (benchmarks/diagnose_cross_entropy.py, both builds in one run,
+// results/diagnose_cross_entropy_bfcb015.log) the bf16 chunk (C = 2048, V = 32000, bf16 gradient) went from 117.4
+// to 89.0 us (69% of copy: its bytes take ~61 us), fp32 logits 161.8 to 144.8, V = 128256 and 151936 (streaming)
+// 12-13% faster; the errors against fp64 are torch's own fp32 log_softmax's. The running (max, sum) rescales keep
+// libm's expf: they are a few per thread, and their argument can be any size.
 //
 // One thread block per row (a 1-D grid of C blocks, so C may reach 2^31 - 1). Pass 1 reads the row once with a
 // per-thread online (max, sum) and reduces the pairs over the block; pass 2 reads the row again, back to front so
@@ -24,11 +26,10 @@
 // size shrinks with V, so small vocabularies do not idle 512 threads per row.
 // Rows of at most kRegGroups vectors per thread take cross_entropy_regs_kernel instead: one read, the row kept in
 // registers (see there). The streaming kernel handles longer rows, fp32 rows beyond 16384, and the scalar
-// (misaligned) path. With libm's expf (before the change above), an H200 took 115 us for a bf16 chunk in
-// registers and 131 us streaming (2274 and 2000 GB/s of read + write), and 156 us for fp32 logits (bf16
-// gradient) against 93 us for a plain copy of the same bytes; blocks of 256 or 1024 threads were slower at
-// V = 32000 and V = 152064. 16-bit logits (what the unfused path of a bf16 model computes: its logits GEMM writes
-// bf16) are read 16 bytes (8 values) at a time, half the bytes of fp32 per row.
+// (misaligned) path. Before the exp change, the register kernel took 115 us for the bf16 chunk where streaming
+// took 131 us, and fp32 logits took 156 us against 93 us for a plain copy of their bytes; blocks of 256 or 1024
+// threads were slower at V = 32000 and V = 152064. 16-bit logits (what the unfused path of a bf16 model computes:
+// its logits GEMM writes bf16) are read 16 bytes (8 values) at a time, half the bytes of fp32 per row.
 #include <cuda_fp16.h>
 
 #include <cmath>

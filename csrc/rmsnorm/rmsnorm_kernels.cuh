@@ -127,6 +127,10 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                        const T* __restrict__ dres, T* __restrict__ dx,
                        float* __restrict__ dw_partial, int64_t rows, int hidden) {
     constexpr bool stock = STOCK;
+    // One vector a thread (VPT = 1): the residual's gradient is read with the row, before the row's reduction,
+    // not after it: a second wait on DRAM per row held this latency-bound loop at 59% of copy on the H200 (ncu,
+    // e2e mixtral shape, bfcb015). With more vectors a thread the extra registers spill (12-16 -> 34-70 bytes).
+    constexpr bool kEarlyDres = DRES && VPT == 1;
     static_assert(V % 2 == 0, "pass 1 rounds pairs of elements");
     __shared__ float smem[kRowsSmem];
     const int tpr = blockDim.x;
@@ -145,7 +149,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
         const float rstd = valid ? rstd_in[row] : 0.f;
         // raw 16-bit vectors; xhat is recomputed in pass 2, and w * dy too under "once" (under "stock" pass 1
         // leaves it in dv, rounded to T as autograd stores it)
-        Vec<T, V> hv[VPT], dv[VPT];
+        Vec<T, V> hv[VPT], dv[VPT], rv[VPT];
         float dot = 0.f;
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -153,6 +157,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
             if (valid && c < n_vec) {
                 hv[k] = load_vec<T, V>(h + row * h_stride + c * V);
                 dv[k] = load_vec<T, V>(dy + row * hidden + c * V);
+                if constexpr (kEarlyDres) rv[k] = load_vec<T, V>(dres + row * hidden + c * V);
                 const Vec<W, V> wv = load_vec<W, V>(w + c * V);
                 if constexpr (stock) {
                     // the same roundings as dw_term / grad_in, two values a conversion; the rounded w * dy goes
@@ -192,8 +197,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                 Vec<W, V> wv;
                 if constexpr (!stock) wv = load_vec<W, V>(w + c * V);
                 Vec<T, V> out;
-                Vec<T, V> rv;
-                if constexpr (DRES) rv = load_vec<T, V>(dres + row * hidden + c * V);
+                if constexpr (DRES && !kEarlyDres) rv[k] = load_vec<T, V>(dres + row * hidden + c * V);
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     const float xhat = static_cast<float>(hv[k].val[j]) * rstd;
@@ -201,7 +205,7 @@ __global__ void __launch_bounds__(max_threads_for_vpt<VPT>())
                     const float g = stock ? static_cast<float>(dv[k].val[j])
                                           : static_cast<float>(dv[k].val[j]) * static_cast<float>(wv.val[j]);
                     float v = rstd * (g - xhat * dot);
-                    if constexpr (DRES) v += static_cast<float>(rv.val[j]);
+                    if constexpr (DRES) v += static_cast<float>(rv[k].val[j]);
                     out.val[j] = static_cast<T>(v);
                 }
                 store_vec<T, V>(dx + row * hidden + c * V, out);
