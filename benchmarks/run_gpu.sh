@@ -87,7 +87,19 @@ step build_ops python3 /tmp/lf_build_all.py
 fi
 
 has verify && python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
-has tests && python3 -m pytest ${LF_TESTS:-tests} -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+# the tests' and bench_moe's logs come back as files of their own, so they run outside step(), with its markers
+marked() {  # marked NAME CMD...: CMD's output as it is, between step()'s "=== NAME" lines with its rc and seconds
+  local name=$1; shift
+  echo "=== $name ($(date +%T))"
+  local t=$SECONDS
+  "$@"; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t)) s"
+}
+run_tests() {
+  python3 -m pytest ${LF_TESTS:-tests} -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+  return "${PIPESTATUS[0]}"
+}
+has tests && marked tests run_tests
 if has bench_ops; then
 LF_RESULTS_DIR="$OUT" python3 -m benchmarks.bench_norm_swiglu --repeats 100 2>&1 | tee "$OUT/bench.log" | tail -60
 python3 -m benchmarks.profile_ops 2>&1 | grep -v Warning > "$OUT/profile.log"; tail -22 "$OUT/profile.log"
@@ -96,7 +108,11 @@ fi
 # most 8 files and the steps above write 7, so its log, JSON and markdown come back as one tar.
 if has bench_moe; then
 rm -rf /tmp/lf_moe && mkdir -p /tmp/lf_moe
-python3 -m benchmarks.bench_moe --out /tmp/lf_moe 2>&1 | tee /tmp/lf_moe/bench_moe.log | tail -50
+run_bench_moe() {
+  python3 -m benchmarks.bench_moe --out /tmp/lf_moe 2>&1 | tee /tmp/lf_moe/bench_moe.log | tail -50
+  return "${PIPESTATUS[0]}"
+}
+marked bench_moe run_bench_moe
 tar -C /tmp/lf_moe -cf "$OUT/bench_moe.tar" .
 fi
 has diagnose_moe && step diagnose_moe python3 -m benchmarks.diagnose_moe --out $RES

@@ -120,8 +120,8 @@ __device__ __forceinline__ Vec<G, W> grad_group(const float (&v)[W], const RowEn
     return out;
 }
 
-// A row's end, shared by both kernels: the block's (max, sum of exp), the log of the sum, and thread 0's nll write
-// (valid and nll point at this row's entries).
+// A row's end, shared by both kernels: the block's (max, sum of exp), thread 0's nll write (valid and nll point at
+// this row's entries), and the max and 1 / sum for the gradient.
 template <typename X>
 __device__ __forceinline__ RowEnd finish_row(const MaxSum& acc, MaxSum* smem, const X* __restrict__ x, int64_t t,
                                              int64_t vocab, const bool* valid, float* nll) {
