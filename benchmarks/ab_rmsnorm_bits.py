@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, measure_copy_bandwidth, other_tree_builder, use_other_tree
-from ds_loongforge.op_builder import FusedRMSNormBuilder, build_ops
+from benchmarks.harness import Timer, build_variants, measure_copy_bandwidth, other_tree_builder, use_other_tree
+from ds_loongforge.op_builder import FusedRMSNormBuilder
 
 
 OldRMSNormBuilder = other_tree_builder(FusedRMSNormBuilder, __name__, "OldRMSNormBuilder")
@@ -96,10 +96,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
     use_other_tree(args.old_csrc, "rmsnorm/rmsnorm.cu", "ab_rmsnorm_bits")
-    mods = build_ops([FusedRMSNormBuilder(), OldRMSNormBuilder()])
-    new, old = mods["lf_fused_rmsnorm"], mods["lf_fused_rmsnorm_old"]
-    if isinstance(new, Exception) or isinstance(old, Exception):
-        sys.exit(f"ab_rmsnorm_bits: a build failed: {mods}")
+    mods = build_variants({"new": FusedRMSNormBuilder, "old": OldRMSNormBuilder}, ["new", "old"], "ab_rmsnorm_bits")
+    new, old = mods["new"], mods["old"]
     n = bad = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for wdt in (dtype, torch.float32):

@@ -7,10 +7,12 @@ threads fits an SM (25% occupancy in the e2e trace at f456232). Each thread load
 after the other; with fewer warps to switch between, less is in flight while threads compute, and the compute
 takes longer at the capped clock. The variants (--variants):
 
-- base (the default build): 512 threads, 8 elements a thread, 70 registers, one block an SM;
+- base (the default build): 512 threads, 8 elements a thread, 70 registers, one block an SM (84 from
+  030a37f to 9358590, when the default bound named a block count of 1);
 - lb2: the same with __launch_bounds__(512, 2): 64 registers, two blocks (1024 threads) an SM;
 - t256x4: 256 threads, __launch_bounds__(256, 4): 64 registers, four blocks an SM;
-- v4: 512 threads, 4 elements a thread (8-byte bf16 accesses): 64 registers, two blocks an SM.
+- v4: 512 threads, 4 elements a thread (8-byte bf16 accesses): 50 registers (64 when measured at 030a37f),
+  two blocks an SM.
 
 Workload: bf16 params and grads, fp32 masters and moments, in 32 tensors that add up to the e2e mixtral model's
 1.844e9 parameters (one bucket, one launch, as ZeRO-2's one partition on one GPU). The floor is 28 bytes a

@@ -15,26 +15,23 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.diagnose_dispatch import SHAPES, inputs, ops
 from ds_loongforge.op_builder import FusedCrossEntropyBuilder, FusedRMSNormBuilder, MoEDispatchBuilder
 
-TOKENS, HIDDEN, EXPERTS, TOP_K = 8192, 2048, 8, 2  # launch/train.py --model mixtral, 4 x 2048 tokens
-CE_ROWS, VOCAB = 2048, 32000
+CE_ROWS, VOCAB = 2048, 32000  # one chunk of the e2e LM head's loss
 
 
 def main() -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
     dispatch, norm, ce = (b().load() for b in (MoEDispatchBuilder, FusedRMSNormBuilder, FusedCrossEntropyBuilder))
+    _, tokens, hidden, experts, top_k = SHAPES[0]  # the e2e mixtral shape
+    dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, dispatch)
+    gen = torch.Generator(device="cuda").manual_seed(1)
 
-    def randn(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
 
-    ids = torch.rand(TOKENS, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
-    _, slot, _, _ = dispatch.routing_indices(ids, EXPERTS)
-    weights = torch.rand(TOKENS, TOP_K, device="cuda", generator=gen)
-    x, dout = randn(TOKENS, HIDDEN), randn(TOKENS, HIDDEN)
-    y = randn(TOKENS * TOP_K, HIDDEN)
-    w = 1 + 0.1 * randn(HIDDEN)
-    r, dy, dres = randn(TOKENS, HIDDEN), randn(TOKENS, HIDDEN), randn(TOKENS, HIDDEN)
+    x, r, dy, dres = (randn(tokens, hidden) for _ in range(4))
+    w = 1 + 0.1 * randn(hidden)
     _, h, rstd = norm.forward(x, r, w, 1e-6, True)
     logits = 2 * randn(CE_ROWS, VOCAB)
     target = torch.randint(0, VOCAB, (CE_ROWS,), device="cuda", generator=gen)
@@ -42,16 +39,12 @@ def main() -> None:
     scale = torch.full((CE_ROWS,), 1.0 / CE_ROWS, device="cuda")
     grad = torch.empty_like(logits)
 
-    calls = {
-        "permute_forward": lambda: dispatch.permute_forward(x, slot),
-        "permute_backward": lambda: dispatch.permute_backward(y, slot),
-        "unpermute_forward": lambda: dispatch.unpermute_forward(y, slot, weights, None),
-        "unpermute_forward_residual": lambda: dispatch.unpermute_forward(y, slot, weights, x),
-        "unpermute_backward": lambda: dispatch.unpermute_backward(dout, y, slot, weights),
+    calls = {name: (lambda call=call: call(dispatch)) for name, call, _ in ops(dout, y, slot, weights, x)}
+    calls.update({
         "rmsnorm_forward_residual": lambda: norm.forward(x, r, w, 1e-6, True),
         "rmsnorm_backward_residual": lambda: norm.backward(dy, h, rstd, w, dres, True),
         "cross_entropy_chunk": lambda: ce.forward(logits, target, valid, scale, grad),
-    }
+    })
     for fn in calls.values():  # warm: allocator, lazy module loading
         fn()
     torch.cuda.synchronize()

@@ -27,12 +27,20 @@ LF_STEPS=${LF_STEPS:-build verify tests bench_ops bench_moe}
 [ "${LF_BENCH:-1}" = 1 ] || LF_STEPS=${LF_STEPS//bench_moe/}
 RES=/tmp/lf_res; rm -rf $RES; mkdir -p $RES
 has() { [[ " $LF_STEPS " == *" $1 "* ]]; }
-step() {  # step NAME CMD...: run with a timeout, log under $RES, tar $RES into $OUT after it
+marked() {  # marked NAME CMD...: CMD between "=== NAME (time)" and "=== NAME rc=N S s" lines
   local name=$1; shift
   echo "=== $name ($(date +%T))"
   local t=$SECONDS
-  timeout "${LF_STEP_TIMEOUT:-480}" "$@" > "$RES/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t)) s"; tail -40 "$RES/$name.log"
+  "$@"; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t)) s"
+}
+logged() {  # logged NAME CMD...: CMD with a timeout, its output into $RES/NAME.log
+  local name=$1; shift
+  timeout "${LF_STEP_TIMEOUT:-480}" "$@" > "$RES/$name.log" 2>&1
+}
+step() {  # step NAME CMD...: marked and logged, the log's tail shown, $RES tarred into $OUT after it
+  marked "$1" logged "$@"
+  tail -40 "$RES/$1.log"
   tar -C $RES -cf "$OUT/results.tar" .
 }
 # cold JIT build of both CUDA ops (fresh extension dir), then a cached load in a fresh process
@@ -87,14 +95,7 @@ step build_ops python3 /tmp/lf_build_all.py
 fi
 
 has verify && python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
-# the tests' and bench_moe's logs come back as files of their own, so they run outside step(), with its markers
-marked() {  # marked NAME CMD...: CMD's output as it is, between step()'s "=== NAME" lines with its rc and seconds
-  local name=$1; shift
-  echo "=== $name ($(date +%T))"
-  local t=$SECONDS
-  "$@"; local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t)) s"
-}
+# the tests' and bench_moe's logs come back as files of their own, so they run marked, not as a step
 run_tests() {
   python3 -m pytest ${LF_TESTS:-tests} -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
   return "${PIPESTATUS[0]}"

@@ -20,14 +20,18 @@ constexpr int kThreads = 512;
 constexpr int kReduceThreads = 1024;
 // The update's block size, resident blocks asked of ptxas (__launch_bounds__'s second argument: it caps the
 // registers so that many fit on an SM) and elements per thread and step. Macros so that
-// benchmarks/diagnose_adamw.py can build and time variants side by side; the defaults are the kernel's. On the
-// H200 (030a37f) the defaults (70 registers, one 512-thread block an SM) ran the e2e workload at 95.3% of copy;
-// 64-register builds with twice the resident warps ran 7-10% slower, 4 elements a thread 1% slower.
+// benchmarks/diagnose_adamw.py can build and time variants side by side. Unset, the bound names no block count,
+// as before the macros: a count of 1 is not the same, it let ptxas take 84-86 registers where the kernel has 70
+// (both one 512-thread block an SM). On the H200 (030a37f, that 84-register build as "base") the default shape ran
+// the e2e workload at 95.3% of copy; 64-register builds with twice the resident warps ran 7-10% slower, 4 elements
+// a thread 1% slower. The 70-register kernel ran at 94% in the f456232 e2e trace.
 #ifndef LF_ADAMW_THREADS
 #define LF_ADAMW_THREADS 512
 #endif
-#ifndef LF_ADAMW_MIN_BLOCKS
-#define LF_ADAMW_MIN_BLOCKS 1
+#ifdef LF_ADAMW_MIN_BLOCKS
+#define LF_ADAMW_UPDATE_BOUNDS __launch_bounds__(kUpdateThreads, LF_ADAMW_MIN_BLOCKS)
+#else
+#define LF_ADAMW_UPDATE_BOUNDS __launch_bounds__(kUpdateThreads)
 #endif
 #ifndef LF_ADAMW_VEC
 #define LF_ADAMW_VEC 8
@@ -114,7 +118,7 @@ __device__ __forceinline__ void update_one(P* param, float* master, const G* gra
 }
 
 template <typename P, typename G, bool kHasMaster>
-__global__ void __launch_bounds__(kUpdateThreads, LF_ADAMW_MIN_BLOCKS)
+__global__ void LF_ADAMW_UPDATE_BOUNDS
     adamw_kernel(const int64_t* __restrict__ table, TableHeader h, const float* __restrict__ stats,
                  const float* __restrict__ inv_scale_dev, Hyper hp) {
     // 32 bytes of every fp32 stream (two 128-bit accesses) and 16 of a bf16/fp16 one per thread and iteration:

@@ -181,9 +181,12 @@ def swiglu_checks(rows: int, inter: int, dtype: torch.dtype, device: str, impl: 
 def cross_entropy_checks(rows: int, vocab: int, grad_dtype: torch.dtype | None, device: str, impl: str,
                          logits_CV: torch.Tensor | None = None, ignore_frac: float = 0.3,
                          generator: torch.Generator | None = None,
-                         logits_dtype: torch.dtype = torch.float32) -> list[CheckResult]:
+                         logits_dtype: torch.dtype = torch.float32,
+                         op: Callable | None = None) -> list[CheckResult]:
     """nll and the logits' gradient (in ``grad_dtype``; None: no gradient) of softmax_cross_entropy_(impl) vs
     fp64, each with its 2x-PyTorch tolerance (PyTorch: the reference's fp32 log_softmax path on the same logits).
+    ``op`` (logits, target, valid, scale, grad) -> nll replaces softmax_cross_entropy_, e.g. a compiled module's
+    ``forward`` built from another source tree (benchmarks/diagnose_cross_entropy.py).
 
     ``logits_CV`` [rows, vocab] (any float dtype) may be given (e.g. a strided view or huge values); otherwise
     2 * randn in ``logits_dtype``. The fp64 truth is computed from the logits as given (a bf16 chunk's values are
@@ -203,7 +206,7 @@ def cross_entropy_checks(rows: int, vocab: int, grad_dtype: torch.dtype | None, 
         grad = torch.empty(logits.shape, dtype=dtype, device=device) if grad_dtype is not None else None
         return [fn(logits, target_C, valid_C, scale, grad)] + ([grad] if grad is not None else [])
 
-    ours = run(lambda *a: softmax_cross_entropy_(*a, impl=impl), logits_CV, scale_C, grad_dtype)
+    ours = run(op or (lambda *a: softmax_cross_entropy_(*a, impl=impl)), logits_CV, scale_C, grad_dtype)
     ref = run(cross_entropy_reference, logits_CV.double(), scale_C.double(), torch.float64)
     eager = run(cross_entropy_reference, logits_CV, scale_C, grad_dtype)
     dtypes = [torch.float32, grad_dtype]

@@ -340,3 +340,17 @@ def test_scale_by_auto_takes_the_reference_where_the_kernel_does_not_fit():
     assert torch.equal(scale_by(x, s), scale_by_reference(x, s))  # fp64 x and scale
     xt = torch.randn(6, 4).t()
     assert torch.equal(scale_by(xt, torch.tensor(0.5)), xt * 0.5)  # strided x
+
+
+def test_checks_run_the_op_they_are_given():
+    """numerics.cross_entropy_checks(op=...) checks that op (diagnose_cross_entropy passes another build's kernel):
+    the reference passes, and an op whose nll is 1e-3 off does not."""
+    logits_CV = 2.0 * torch.randn(9, 100)
+    assert_checks(cross_entropy_checks(9, 100, torch.float32, "cpu", "cpu", logits_CV=logits_CV,
+                                       op=cross_entropy_reference))
+
+    def off(*args):
+        return cross_entropy_reference(*args) + 1e-3
+
+    nll, dlogits = cross_entropy_checks(9, 100, torch.float32, "cpu", "cpu", logits_CV=logits_CV, op=off)
+    assert not nll.passed and dlogits.passed
