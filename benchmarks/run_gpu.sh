@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_cross_entropy, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
 # "tests" step (default: all of tests/).
@@ -150,6 +150,9 @@ fi
 # the softmax cross-entropy kernel on the LM heads' chunk shapes; LF_OLD_CSRC: another tree's csrc/ to time beside it
 has diagnose_cross_entropy && step diagnose_cross_entropy python3 -m benchmarks.diagnose_cross_entropy \
   --out $RES/diagnose_cross_entropy.json ${LF_OLD_CSRC:+--old-csrc $LF_OLD_CSRC}
+# the routing kernel (counting sort of the pairs) from the e2e shapes to 16M pairs, beside torch's stable sort and LF_OLD_CSRC's build
+has diagnose_routing && step diagnose_routing python3 -m benchmarks.diagnose_routing \
+  --out $RES/diagnose_routing.json ${LF_OLD_CSRC:+--old-csrc $LF_OLD_CSRC}
 # issue 6: the sampler benchmark on the GPU (pre-scan time, peak-memory spread)
 has bench_sampler && step bench_sampler python3 benchmarks/bench_sampler.py --device cuda --out $RES
 # issue 5: the end-to-end A/B benchmark, one step per shape in LF_E2E_SHAPES (default mixtral), LF_E2E_ARGS added

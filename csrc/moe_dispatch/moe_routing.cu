@@ -12,7 +12,7 @@
 // of an e2e step was bound by how fast the host issued them). No host sync, no order-dependent atomics:
 //   1. count: each block of kChunk consecutive pairs histograms its experts in shared memory (integer
 //      atomics, whose result does not depend on their order) into hist[block][e];
-//   2. scan (one block): counts_E and offsets_E, and hist[block][e] becomes the expert-major position of the
+//   2. scan (one block, bucket-major over the counters): counts_E and offsets_E, and hist[block][e] becomes the expert-major position of the
 //      block's first pair of expert e (pairs of e in earlier blocks come first: stability across blocks);
 //   3. rank: one warp per block walks its pairs in order, 32 at a time; lanes holding the same expert find
 //      each other with __match_any_sync and take consecutive positions in lane order (stability within the
@@ -22,9 +22,8 @@
 // and the Python op reject them instead (checking here would cost a host sync).
 // Preconditions (checked by the binding): ids_TK contiguous int64 on this device, P < 2^31 - 1,
 // E <= kMaxRoutingExperts.
-// Cost: the scan block walks every block's counter of each expert in turn, P / kChunk of them: a few
-// microseconds at the e2e shapes (16 to 64 blocks); at millions of pairs (thousands of blocks) it becomes the
-// kernel's longest part, where a wider chunk or a parallel scan over the blocks would be the fix.
+// Cost: three launches and P * 20 bytes of ids, slots and order; the scan block spreads the (P / kChunk) x (E + 1)
+// counters over its 1024 threads (benchmarks/diagnose_routing.py times it against torch's stable sort).
 #include "lf_cuda_utils.cuh"
 #include "moe_dispatch_checks.h"
 
@@ -55,22 +54,29 @@ __global__ void __launch_bounds__(kCountThreads)
     for (int e = threadIdx.x; e < buckets; e += blockDim.x) out[e] = local[e];
 }
 
-// One block. Thread t owns the buckets [t * per, (t + 1) * per): their totals, an exclusive scan of the
-// threads' sums, then each bucket's start and every block's position within it, in block order.
+// One block: an exclusive scan over every block's counter of every bucket, taken bucket-major ((e, b) in the order
+// e = 0..E, b = 0..blocks - 1, so a bucket's pairs in earlier blocks come first). Thread t owns the cells
+// [t * per, (t + 1) * per) of that order: it sums them (independent loads), the threads' sums are scanned, and it
+// walks them again writing each cell's start; the thread holding a bucket's last cell writes its end
+// (offsets_E), and counts_E is the difference of consecutive ends. Every thread has work at any P and E: a
+// thread per bucket walking all P / kChunk counters of its bucket (one after the other, twice) made this block
+// the kernel's longest part at millions of pairs.
 __global__ void __launch_bounds__(kScanThreads)
     routing_scan_kernel(int* __restrict__ hist, int blocks, int experts, int64_t* __restrict__ counts,
                         int* __restrict__ offsets) {
     __shared__ int64_t sums[kScanThreads];
     const int buckets = experts + 1;
-    const int per = (buckets + kScanThreads - 1) / kScanThreads;
-    const int lo = min(buckets, static_cast<int>(threadIdx.x) * per);
-    const int hi = min(buckets, lo + per);
+    const int64_t cells = static_cast<int64_t>(blocks) * buckets;
+    const int64_t per = (cells + kScanThreads - 1) / kScanThreads;
+    const int64_t lo = min(cells, static_cast<int64_t>(threadIdx.x) * per);
+    const int64_t hi = min(cells, lo + per);
     int64_t mine = 0;
-    for (int e = lo; e < hi; ++e) {
-        int64_t total = 0;
-        for (int b = 0; b < blocks; ++b) total += hist[static_cast<int64_t>(b) * buckets + e];
-        if (e < experts) counts[e] = total;
-        mine += total;
+    {
+        int e = static_cast<int>(lo / blocks), b = static_cast<int>(lo % blocks);
+        for (int64_t c = lo; c < hi; ++c) {
+            mine += hist[static_cast<int64_t>(b) * buckets + e];
+            if (++b == blocks) b = 0, ++e;
+        }
     }
     sums[threadIdx.x] = mine;
     __syncthreads();
@@ -81,15 +87,19 @@ __global__ void __launch_bounds__(kScanThreads)
         __syncthreads();
     }
     int64_t start = sums[threadIdx.x] - mine;
-    for (int e = lo; e < hi; ++e) {
-        for (int b = 0; b < blocks; ++b) {
+    {
+        int e = static_cast<int>(lo / blocks), b = static_cast<int>(lo % blocks);
+        for (int64_t c = lo; c < hi; ++c) {
             int* cell = hist + static_cast<int64_t>(b) * buckets + e;
             const int count = *cell;
             *cell = static_cast<int>(start);
             start += count;
+            if (b == blocks - 1 && e < experts) offsets[e] = static_cast<int>(start);
+            if (++b == blocks) b = 0, ++e;
         }
-        if (e < experts) offsets[e] = static_cast<int>(start);
     }
+    __syncthreads();  // a block's global writes are visible to the block after its barrier
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = offsets[e] - (e > 0 ? offsets[e - 1] : 0);
 }
 
 __global__ void __launch_bounds__(32)
