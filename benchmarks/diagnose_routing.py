@@ -3,10 +3,11 @@ expert) timed from the e2e shapes up to millions of pairs, beside torch's stable
 replaced) and, with --old-csrc, beside the same op built from another source tree, interleaved round by round.
 Every build's result is checked against the reference (integers: equal or not).
 
-Why: the kernel's scan block used to give each expert's bucket one thread, which walked that bucket's counter in
-every 1024-pair block, one after the other and twice. At the e2e shapes that is 16 to 64 counters; at millions
-of pairs it is thousands, and the scan became the kernel's longest part. The scan now spreads the
-(P / 1024) x (E + 1) counters over all of its 1024 threads.
+Why: the kernel's scan used to be one 1024-thread block. At 42005ae each expert's bucket had one thread, which
+walked that bucket's counter in every 1024-pair block, one after the other and twice: 16 to 64 counters at the
+e2e shapes, thousands at millions of pairs. ea99d7e spread the counters over all 1024 threads, which helped at 8
+experts (4M pairs: 632 -> 128 us) but read them uncoalesced and lost at 256 experts (879 -> 2297 us). The
+counters are now bucket-major and scanned by torch's device-wide CUB scan.
 
     git archive <rev> csrc | tar -x -C /tmp/old        # here; the tree must travel with the device call
     python -m benchmarks.diagnose_routing [--old-csrc /tmp/old/csrc] [--out results/x.json]

@@ -7,13 +7,14 @@
 //   counts_E[e]    = #{pairs with e(i) = e}, offsets_E[e] = counts_E[0] + ... + counts_E[e] (int32, for
 //                    grouped GEMM), start[e] = offsets_E[e] - counts_E[e]
 //
-// This is exactly torch.sort(ids, stable=True)'s order, in three kernels where the sort, the inverse
-// scatter, the searchsorted counts and the cumsum took about ten ops (each a host-side launch: the forward
-// of an e2e step was bound by how fast the host issued them). No host sync, no order-dependent atomics:
+// This is exactly torch.sort(ids, stable=True)'s order, in four launches from one host call where the sort, the
+// inverse scatter, the searchsorted counts and the cumsum took about ten ops (each a host-side launch: the
+// forward of an e2e step was bound by how fast the host issued them). No host sync, no order-dependent atomics:
 //   1. count: each block of kChunk consecutive pairs histograms its experts in shared memory (integer
-//      atomics, whose result does not depend on their order) into hist[block][e];
-//   2. scan (one block, bucket-major over the counters): counts_E and offsets_E, and hist[block][e] becomes the expert-major position of the
-//      block's first pair of expert e (pairs of e in earlier blocks come first: stability across blocks);
+//      atomics, whose result does not depend on their order) into hist[e][block], bucket-major;
+//   2. scan: torch's device-wide CUB exclusive sum over hist in that order, so starts[e][block] is the
+//      expert-major position of the block's first pair of expert e (pairs of e in earlier blocks come first:
+//      stability across blocks); a small kernel reads counts_E and offsets_E off the bucket boundaries;
 //   3. rank: one warp per block walks its pairs in order, 32 at a time; lanes holding the same expert find
 //      each other with __match_any_sync and take consecutive positions in lane order (stability within the
 //      block), and the lowest of them advances that expert's position for the next 32.
@@ -22,8 +23,13 @@
 // and the Python op reject them instead (checking here would cost a host sync).
 // Preconditions (checked by the binding): ids_TK contiguous int64 on this device, P < 2^31 - 1,
 // E <= kMaxRoutingExperts.
-// Cost: three launches and P * 20 bytes of ids, slots and order; the scan block spreads the (P / kChunk) x (E + 1)
-// counters over its 1024 threads (benchmarks/diagnose_routing.py times it against torch's stable sort).
+// Cost: P * 24 bytes of ids, slots and order, and (P / kChunk) x (E + 1) counters written, scanned and read.
+// The scan was one 1024-thread block before (a thread per expert walking every block's counter at 42005ae, the
+// counters spread over its threads but read uncoalesced at ea99d7e): at millions of pairs, or 256 experts, it
+// took most of the op's time (benchmarks/diagnose_routing.py times the op against torch's stable sort and
+// another tree's build).
+#include <ATen/cuda/cub.h>
+
 #include "lf_cuda_utils.cuh"
 #include "moe_dispatch_checks.h"
 
@@ -32,7 +38,7 @@ namespace {
 
 constexpr int kChunk = 1024;        // pairs per block in the count and rank kernels
 constexpr int kCountThreads = 256;
-constexpr int kScanThreads = 1024;
+constexpr int kFinishThreads = 256;
 
 __device__ __forceinline__ int expert_bucket(int64_t id, int experts) {
     return (id >= 0 && id < experts) ? static_cast<int>(id) : experts;
@@ -50,66 +56,31 @@ __global__ void __launch_bounds__(kCountThreads)
         atomicAdd(&local[expert_bucket(ids[i], experts)], 1);
     }
     __syncthreads();
-    int* out = hist + static_cast<int64_t>(blockIdx.x) * buckets;
-    for (int e = threadIdx.x; e < buckets; e += blockDim.x) out[e] = local[e];
+    for (int e = threadIdx.x; e < buckets; e += blockDim.x) {
+        hist[static_cast<int64_t>(e) * gridDim.x + blockIdx.x] = local[e];  // bucket-major
+    }
 }
 
-// One block: an exclusive scan over every block's counter of every bucket, taken bucket-major ((e, b) in the order
-// e = 0..E, b = 0..blocks - 1, so a bucket's pairs in earlier blocks come first). Thread t owns the cells
-// [t * per, (t + 1) * per) of that order: it sums them (independent loads), the threads' sums are scanned, and it
-// walks them again writing each cell's start; the thread holding a bucket's last cell writes its end
-// (offsets_E), and counts_E is the difference of consecutive ends. Every thread has work at any P and E: a
-// thread per bucket walking all P / kChunk counters of its bucket (one after the other, twice) made this block
-// the kernel's longest part at millions of pairs.
-__global__ void __launch_bounds__(kScanThreads)
-    routing_scan_kernel(int* __restrict__ hist, int blocks, int experts, int64_t* __restrict__ counts,
-                        int* __restrict__ offsets) {
-    __shared__ int64_t sums[kScanThreads];
-    const int buckets = experts + 1;
-    const int64_t cells = static_cast<int64_t>(blocks) * buckets;
-    const int64_t per = (cells + kScanThreads - 1) / kScanThreads;
-    const int64_t lo = min(cells, static_cast<int64_t>(threadIdx.x) * per);
-    const int64_t hi = min(cells, lo + per);
-    int64_t mine = 0;
-    {
-        int e = static_cast<int>(lo / blocks), b = static_cast<int>(lo % blocks);
-        for (int64_t c = lo; c < hi; ++c) {
-            mine += hist[static_cast<int64_t>(b) * buckets + e];
-            if (++b == blocks) b = 0, ++e;
-        }
-    }
-    sums[threadIdx.x] = mine;
-    __syncthreads();
-    for (int step = 1; step < kScanThreads; step <<= 1) {  // inclusive Hillis-Steele scan
-        const int64_t add = threadIdx.x >= step ? sums[threadIdx.x - step] : 0;
-        __syncthreads();
-        sums[threadIdx.x] += add;
-        __syncthreads();
-    }
-    int64_t start = sums[threadIdx.x] - mine;
-    {
-        int e = static_cast<int>(lo / blocks), b = static_cast<int>(lo % blocks);
-        for (int64_t c = lo; c < hi; ++c) {
-            int* cell = hist + static_cast<int64_t>(b) * buckets + e;
-            const int count = *cell;
-            *cell = static_cast<int>(start);
-            start += count;
-            if (b == blocks - 1 && e < experts) offsets[e] = static_cast<int>(start);
-            if (++b == blocks) b = 0, ++e;
-        }
-    }
-    __syncthreads();  // a block's global writes are visible to the block after its barrier
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = offsets[e] - (e > 0 ? offsets[e - 1] : 0);
+// counts_E and offsets_E from the exclusive scan of the bucket-major counters: bucket e's pairs start at
+// starts[e * blocks] and end where bucket e + 1's start (the out-of-range bucket E is always there).
+__global__ void __launch_bounds__(kFinishThreads)
+    routing_finish_kernel(const int* __restrict__ starts, int blocks, int experts, int64_t* __restrict__ counts,
+                          int* __restrict__ offsets) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= experts) return;
+    const int begin = starts[static_cast<int64_t>(e) * blocks];
+    const int end = starts[static_cast<int64_t>(e + 1) * blocks];
+    counts[e] = end - begin;
+    offsets[e] = end;
 }
 
 __global__ void __launch_bounds__(32)
-    routing_rank_kernel(const int64_t* __restrict__ ids, int64_t pairs, int experts, const int* __restrict__ hist,
+    routing_rank_kernel(const int64_t* __restrict__ ids, int64_t pairs, int experts, const int* __restrict__ starts,
                         int64_t* __restrict__ slot, int64_t* __restrict__ order) {
     extern __shared__ int next[];  // experts + 1: the next free position of each bucket for this block
     const int buckets = experts + 1;
     const int lane = threadIdx.x;
-    const int* base = hist + static_cast<int64_t>(blockIdx.x) * buckets;
-    for (int e = lane; e < buckets; e += 32) next[e] = base[e];
+    for (int e = lane; e < buckets; e += 32) next[e] = starts[static_cast<int64_t>(e) * gridDim.x + blockIdx.x];
     __syncwarp();
     const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
     const int64_t end = min(pairs, begin + kChunk);
@@ -184,15 +155,21 @@ void moe_routing_indices_cuda(const at::Tensor& ids_TK, int64_t num_experts, con
     auto stream = c10::cuda::getCurrentCUDAStream();
     const int blocks = static_cast<int>((pairs + kChunk - 1) / kChunk);
     const size_t shared = static_cast<size_t>(experts + 1) * sizeof(int);
-    auto hist = at::empty({static_cast<int64_t>(blocks) * (experts + 1)}, ids_TK.options().dtype(at::kInt));
+    const int64_t cells = static_cast<int64_t>(blocks) * (experts + 1);
+    auto hist = at::empty({2, cells}, ids_TK.options().dtype(at::kInt));  // the counters, then their scan
+    int* counters = hist.data_ptr<int>();
+    int* starts = counters + cells;
     const int64_t* ids = ids_TK.data_ptr<int64_t>();
-    routing_count_kernel<<<blocks, kCountThreads, shared, stream>>>(ids, pairs, experts, hist.data_ptr<int>());
+    routing_count_kernel<<<blocks, kCountThreads, shared, stream>>>(ids, pairs, experts, counters);
     LF_CUDA_CHECK_LAUNCH();
-    routing_scan_kernel<<<1, kScanThreads, 0, stream>>>(hist.data_ptr<int>(), blocks, experts,
-                                                        counts_E.data_ptr<int64_t>(), offsets_E.data_ptr<int>());
+    // torch's device-wide CUB scan (decoupled look-back over every SM; no host sync, temporary storage from the
+    // caching allocator): every value is at most P < 2^31 - 1
+    at::cuda::cub::exclusive_sum_in_common_type<int, int>(counters, starts, cells);
+    routing_finish_kernel<<<(experts + kFinishThreads - 1) / kFinishThreads, kFinishThreads, 0, stream>>>(
+        starts, blocks, experts, counts_E.data_ptr<int64_t>(), offsets_E.data_ptr<int>());
     LF_CUDA_CHECK_LAUNCH();
-    routing_rank_kernel<<<blocks, 32, shared, stream>>>(ids, pairs, experts, hist.data_ptr<int>(),
-                                                        slot_TK.data_ptr<int64_t>(), order_P.data_ptr<int64_t>());
+    routing_rank_kernel<<<blocks, 32, shared, stream>>>(ids, pairs, experts, starts, slot_TK.data_ptr<int64_t>(),
+                                                        order_P.data_ptr<int64_t>());
     LF_CUDA_CHECK_LAUNCH();
 }
 
