@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, build_variants, measure_copy_bandwidth, other_tree_builder, use_other_tree
+from benchmarks.harness import Timer, measure_copy_bandwidth, new_and_old_builds, other_tree_builder
 from ds_loongforge.op_builder import FusedRMSNormBuilder
 
 
@@ -95,8 +95,8 @@ def main():
     parser.add_argument("--time", action="store_true", help="also time both builds' backward at the e2e shapes")
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
-    use_other_tree(args.old_csrc, "rmsnorm/rmsnorm.cu", "ab_rmsnorm_bits")
-    mods = build_variants({"new": FusedRMSNormBuilder, "old": OldRMSNormBuilder}, ["new", "old"], "ab_rmsnorm_bits")
+    mods = new_and_old_builds(FusedRMSNormBuilder, OldRMSNormBuilder, args.old_csrc, "rmsnorm/rmsnorm.cu",
+                              "ab_rmsnorm_bits")
     new, old = mods["new"], mods["old"]
     n = bad = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -16,15 +16,13 @@ and one write of the gradient; the floor is those at the copy rate measured in t
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import (Timer, build_variants, environment, measure_copy_bandwidth, other_tree_builder,
-                                use_other_tree)
+from benchmarks.harness import (Timer, ab_parser, environment, measure_copy_bandwidth, new_and_old_builds,
+                                other_tree_builder)
 from ds_loongforge.op_builder import FusedCrossEntropyBuilder
 from ds_loongforge.ops.numerics import cross_entropy_checks
 
@@ -59,17 +57,8 @@ def errors(module, logits: torch.Tensor, grad_dtype) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old-csrc", type=Path, help="another tree's csrc/ directory to run beside this one")
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    names = ["new"]
-    if args.old_csrc is not None:
-        use_other_tree(args.old_csrc, "cross_entropy/cross_entropy.cu", "diagnose_cross_entropy")
-        names.append("old")
-    builds = build_variants({"new": FusedCrossEntropyBuilder, "old": OldCrossEntropyBuilder}, names,
-                            "diagnose_cross_entropy")
+    args = ab_parser(__doc__).parse_args()
+    builds = new_and_old_builds(FusedCrossEntropyBuilder, OldCrossEntropyBuilder, args.old_csrc, "cross_entropy/cross_entropy.cu", "diagnose_cross_entropy")
 
     timer = Timer(repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)

@@ -15,14 +15,12 @@ counters are now bucket-major and scanned by torch's device-wide CUB scan.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, build_variants, environment, other_tree_builder, use_other_tree
+from benchmarks.harness import Timer, ab_parser, environment, new_and_old_builds, other_tree_builder
 from ds_loongforge.op_builder import MoEDispatchBuilder
 from ds_loongforge.ops.moe_dispatch import routing_indices_reference
 
@@ -41,16 +39,9 @@ SHAPES = [
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old-csrc", type=Path, help="another tree's csrc/ directory to run beside this one")
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    names = ["new"]
-    if args.old_csrc is not None:
-        use_other_tree(args.old_csrc, "moe_dispatch/moe_routing.cu", "diagnose_routing")
-        names.append("old")
-    builds = build_variants({"new": MoEDispatchBuilder, "old": OldMoEDispatchBuilder}, names, "diagnose_routing")
+    args = ab_parser(__doc__).parse_args()
+    builds = new_and_old_builds(MoEDispatchBuilder, OldMoEDispatchBuilder, args.old_csrc,
+                                "moe_dispatch/moe_routing.cu", "diagnose_routing")
 
     timer = Timer(repeats=args.repeats)
     env = environment()
@@ -61,8 +52,8 @@ def main() -> int:
     for i, (name, tokens, k, experts) in enumerate(SHAPES):
         gen = torch.Generator(device="cuda").manual_seed(i)
         ids = torch.randint(0, experts, (tokens, k), device="cuda", generator=gen)
-        fns = {b: (lambda m=m: m.routing_indices(ids, experts)) for b, m in builds.items()}
-        fns["sort"] = lambda: routing_indices_reference(ids, experts)
+        fns = {b: (lambda m=m, ids=ids: m.routing_indices(ids, experts)) for b, m in builds.items()}
+        fns["sort"] = lambda ids=ids: routing_indices_reference(ids, experts)
         times = timer.interleaved(fns)
         ref = routing_indices_reference(ids, experts)
         equal = {b: all(torch.equal(a, r) for a, r in zip(m.routing_indices(ids, experts), ref))

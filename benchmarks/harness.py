@@ -9,6 +9,7 @@ warm-up is reported. Fwd+bwd is timed with torch.autograd.grad (no leaf .grad ac
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -184,6 +185,26 @@ def build_variants(builders: dict[str, type], variants: list[str], who: str) -> 
     if failed:
         raise RuntimeError(f"{who}: builds failed: {failed}")
     return {v: modules[builders[v].NAME] for v in variants}
+
+
+def ab_parser(doc: str, repeats: int = 50) -> argparse.ArgumentParser:
+    """The before/after scripts' options (described by the first line of ``doc``): --old-csrc (another tree's
+    csrc/, built and run beside this one), --repeats and --out (a JSON path)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--old-csrc", type=Path, help="another tree's csrc/ directory to run beside this one")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", type=Path)
+    return parser
+
+
+def new_and_old_builds(new: type, old: type, old_csrc: Path | None, probe: str, who: str) -> dict:
+    """{"new": module}, and "old" (``old``, an :func:`other_tree_builder` class, built from ``old_csrc``) when
+    ``old_csrc`` is given; ``probe`` is a source the other tree must hold (:func:`use_other_tree`)."""
+    names = ["new"]
+    if old_csrc is not None:
+        use_other_tree(old_csrc, probe, who)
+        names.append("old")
+    return build_variants({"new": new, "old": old}, names, who)
 
 
 def measure_copy_bandwidth(timer: Timer, n_bytes: int = 2 * 1024**3) -> float:

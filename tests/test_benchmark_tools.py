@@ -124,3 +124,35 @@ def test_other_tree_builder_compiles_the_other_trees_sources(tmp_path, monkeypat
     assert builder.sources() == [str(tmp_path.resolve() / s) for s in FusedCrossEntropyBuilder.SOURCES]
     assert builder.include_paths() == [str(tmp_path.resolve() / "includes")]
     assert builder.nvcc_args() == FusedCrossEntropyBuilder().nvcc_args()
+
+
+def test_new_and_old_builds_adds_the_other_tree_only_when_given(tmp_path, monkeypatch):
+    """benchmarks.harness.new_and_old_builds / ab_parser, the before/after scripts' common start (diagnose_routing,
+    diagnose_cross_entropy, ab_rmsnorm_bits): "old" is built only with --old-csrc, from that tree."""
+    import os
+    from pathlib import Path
+
+    import benchmarks.harness as harness
+
+    calls = []
+
+    def fake_build_variants(builders, names, who):
+        calls.append((builders, names, who))
+        return {name: f"module {name}" for name in names}
+
+    monkeypatch.setattr(harness, "build_variants", fake_build_variants)
+    monkeypatch.setenv(harness.OTHER_CSRC_ENV, "unset")
+    new, old = type("New", (), {}), type("Old", (), {})
+    assert harness.new_and_old_builds(new, old, None, "op/op.cu", "who") == {"new": "module new"}
+    assert calls[-1] == ({"new": new, "old": old}, ["new"], "who")
+    assert os.environ[harness.OTHER_CSRC_ENV] == "unset"
+    with pytest.raises(SystemExit, match="holds no op/op.cu"):
+        harness.new_and_old_builds(new, old, tmp_path, "op/op.cu", "who")
+    (tmp_path / "op").mkdir()
+    (tmp_path / "op" / "op.cu").write_text("")
+    assert set(harness.new_and_old_builds(new, old, tmp_path, "op/op.cu", "who")) == {"new", "old"}
+    assert calls[-1][1] == ["new", "old"] and os.environ[harness.OTHER_CSRC_ENV] == str(tmp_path.resolve())
+
+    args = harness.ab_parser("First line.\nMore.").parse_args(["--old-csrc", "t/csrc", "--out", "r.json"])
+    assert (args.old_csrc, args.out, args.repeats) == (Path("t/csrc"), Path("r.json"), 50)
+    assert harness.ab_parser("x", repeats=7).parse_args([]).repeats == 7
