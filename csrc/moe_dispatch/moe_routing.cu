@@ -7,9 +7,10 @@
 //   counts_E[e]    = #{pairs with e(i) = e}, offsets_E[e] = counts_E[0] + ... + counts_E[e] (int32, for
 //                    grouped GEMM), start[e] = offsets_E[e] - counts_E[e]
 //
-// This is exactly torch.sort(ids, stable=True)'s order, in four launches from one host call where the sort, the
-// inverse scatter, the searchsorted counts and the cumsum took about ten ops (each a host-side launch: the
-// forward of an e2e step was bound by how fast the host issued them). No host sync, no order-dependent atomics:
+// This is exactly torch.sort(ids, stable=True)'s order, from one host call (count, CUB's scan, finish, rank) where
+// the sort, the inverse scatter, the searchsorted counts and the cumsum took about ten ops (each a host-side
+// launch: the forward of an e2e step was bound by how fast the host issued them). No host sync, no
+// order-dependent atomics:
 //   1. count: each block of kChunk consecutive pairs histograms its experts in shared memory (integer
 //      atomics, whose result does not depend on their order) into hist[e][block], bucket-major;
 //   2. scan: torch's device-wide CUB exclusive sum over hist in that order, so starts[e][block] is the
@@ -23,7 +24,8 @@
 // and the Python op reject them instead (checking here would cost a host sync).
 // Preconditions (checked by the binding): ids_TK contiguous int64 on this device, P < 2^31 - 1,
 // E <= kMaxRoutingExperts.
-// Cost: P * 24 bytes of ids, slots and order, and (P / kChunk) x (E + 1) counters written, scanned and read.
+// Cost: P * 32 bytes (ids read twice, slot and order written) and (P / kChunk) x (E + 1) counters written,
+// scanned and read.
 // The scan was one 1024-thread block before (a thread per expert walking every block's counter at 42005ae, the
 // counters spread over its threads but read uncoalesced at ea99d7e): at millions of pairs, or 256 experts, it
 // took most of the op's time (benchmarks/diagnose_routing.py times the op against torch's stable sort and

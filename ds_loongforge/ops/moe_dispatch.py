@@ -111,13 +111,13 @@ def expert_routing(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto") -
     ``ids_TK`` [T, K] of each token: order_P is the stable sort of the pairs by expert (token order within an
     expert), slot_TK its inverse.
 
-    The kernel (``impl`` "auto", "cuda" or "cpu") is one counting sort in three launches from one host call, where
-    the reference takes about ten ops; "auto" falls back to the reference where the kernel cannot be built or
-    takes no such input (more than 8192 experts on CUDA). On the CPU the ids are checked to lie in
-    [0, num_experts). On CUDA they are not (it would cost a host sync): an out-of-range id then gets a position
-    after every expert's rows and is counted nowhere (the reference's sort puts a negative one first). No step
-    here syncs with the host or uses order-dependent atomics: for ids in range the result is deterministic and the
-    same on every path.
+    The kernel (``impl`` "auto", "cuda" or "cpu") is one counting sort from one host call (on CUDA its block
+    counters are scanned by torch's CUB scan), where the reference takes about ten ops; "auto" falls back to the
+    reference where the kernel cannot be built or takes no such input (more than 8192 experts on CUDA). On the CPU
+    the ids are checked to lie in [0, num_experts). On CUDA they are not (it would cost a host sync): an
+    out-of-range id then gets a position after every expert's rows and is counted nowhere (the reference's sort puts
+    a negative one first). No step here syncs with the host or uses order-dependent atomics: for ids in range the
+    result is deterministic and the same on every path.
     """
     _check_routing_args(ids_TK, num_experts)
     kernel = None

@@ -64,9 +64,9 @@ ROUTING_SHAPES = [  # (T, K, E): the counting sort's blocks hold 1024 pairs and 
     pytest.param(1024, 1, 64, id="one_full_block"),
     pytest.param(3001, 8, 64, id="24_blocks_ragged_tail"),
     pytest.param(2050, 2, 1, id="one_expert_across_blocks"),
-    pytest.param(700, 8, 3000, id="3000_experts_several_per_scan_thread"),
+    pytest.param(700, 8, 3000, id="3000_experts_18006_counters"),
     pytest.param(257, 4, MAX_KERNEL_EXPERTS, id="the_most_experts_on_cuda"),
-    # the scan block's 1024 threads each take several (block, expert) counters, their runs crossing experts
+    # 1024 and 2052 count blocks: 66560 and 12312 (expert, block) counters to scan
     pytest.param(131072, 8, 64, id="1M_pairs_1024_blocks_64_experts"),
     pytest.param(300001, 7, 5, id="2.1M_pairs_ragged_5_experts"),
 ]
