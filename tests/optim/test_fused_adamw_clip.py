@@ -46,6 +46,15 @@ def _assert_rel(actual, expected, rtol=1e-6, scale=None):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
+def _peaks(params, peaks=None):
+    """The largest magnitude each param has held so far. A step rounds at the param's magnitude then and at its
+    update's (about lr): the error a param carries is relative to those, not to where it ends. An H200 run failed
+    a one-element param that ended at -0.0024 with a 1.4e-8 error, 6e-6 of its end value (the kernel's FMAs and
+    operation order round each update, ~lr, otherwise than torch): tolerances below are relative to peak + lr."""
+    now = [p.detach().abs().max().item() for p in params]
+    return now if peaks is None else [max(a, b) for a, b in zip(peaks, now)]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_twenty_steps_equal_torch_adamw_with_clip(impl):
     device = device_of(impl)
@@ -53,6 +62,7 @@ def test_twenty_steps_equal_torch_adamw_with_clip(impl):
     ref = _clone(ours)
     opt = FusedAdamWClip(ours, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_norm=5.0, impl=impl)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    peaks = _peaks(ref)
     for step in range(STEPS):
         # norms from ~0.3x to ~3x max_norm: some steps clip, some do not
         grads = _grads(SHAPES, device, scale=0.002 * 2 ** (step % 7))
@@ -61,9 +71,10 @@ def test_twenty_steps_equal_torch_adamw_with_clip(impl):
         opt.step()
         torch_norm = torch.nn.utils.clip_grad_norm_(ref, 5.0, foreach=False)
         ref_opt.step()
+        peaks = _peaks(ref, peaks)
         _assert_rel(opt.last_grad_norm, torch_norm)
-    for p, q in zip(ours, ref):
-        _assert_rel(p.detach(), q.detach())
+    for p, q, peak in zip(ours, ref, peaks):
+        _assert_rel(p.detach(), q.detach(), scale=peak + 1e-2)  # lr
         # a first moment of random-sign grads can cancel to near zero: compare it at the grads' scale
         _assert_rel(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"],
                     scale=ref_opt.state[q]["exp_avg_sq"].sqrt().max().item())
@@ -79,6 +90,7 @@ def test_bf16_params_with_fp32_masters(impl):
     ref = _clone(ours, torch.float32)
     opt = FusedAdamWClip(ours, lr=1e-2, weight_decay=0.05, max_norm=1.0, impl=impl)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.05)
+    peaks = _peaks(ref)
     for step in range(STEPS):
         grads = [g.to(torch.bfloat16) for g in _grads(SHAPES, device, 0.003 * (1 + step % 3))]
         for p, q, g in zip(ours, ref, grads):
@@ -86,10 +98,11 @@ def test_bf16_params_with_fp32_masters(impl):
         opt.step()
         torch.nn.utils.clip_grad_norm_(ref, 1.0, foreach=False)
         ref_opt.step()
-    for p, q in zip(ours, ref):
+        peaks = _peaks(ref, peaks)
+    for p, q, peak in zip(ours, ref, peaks):
         master = opt.state[p]["master"]
         assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
-        _assert_rel(master, q.detach(), rtol=2e-6)
+        _assert_rel(master, q.detach(), rtol=2e-6, scale=peak + 1e-2)  # lr
         # the bf16 param is its master rounded once; within one bf16 ulp of the fp32 trajectory
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
         torch.testing.assert_close(p.detach().float(), q.detach(), rtol=2 ** -8, atol=1e-6)
