@@ -58,7 +58,8 @@ def errors(module, logits: torch.Tensor, grad_dtype) -> dict:
 
 def main() -> int:
     args = ab_parser(__doc__).parse_args()
-    builds = new_and_old_builds(FusedCrossEntropyBuilder, OldCrossEntropyBuilder, args.old_csrc, "cross_entropy/cross_entropy.cu", "diagnose_cross_entropy")
+    builds = new_and_old_builds(FusedCrossEntropyBuilder, OldCrossEntropyBuilder, args.old_csrc,
+                                "cross_entropy/cross_entropy.cu", "diagnose_cross_entropy")
 
     timer = Timer(repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)
