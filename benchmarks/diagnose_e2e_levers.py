@@ -7,11 +7,14 @@ GPU's now (NOTES: "a step that is now the GPU's"), so only device time counts:
    layer, in forward order on the side stream, each layer's forward waiting on its own update's event).
 2. graph: the injected model's forward + backward captured in one CUDA graph and replayed, next to eager with
    the host far ahead: what the ~1200 launches and the gaps between them cost.
+3. graph_kernels: why the replay of 2. is slower than eager (8.8 ms at 5325e3c): one eager fwd+bwd and one replay
+   under torch.profiler, their kernels' device time summed per name, and the names whose time differs most (a
+   kernel only one of them runs shows as all of its time).
 
 The model is launch/train.py's preset with LoongForge injected (bf16, fused loss), without DeepSpeed; the timings
 are device times (benchmarks/harness.Timer with a head start long enough for the host to queue a whole step).
 
-    python -m benchmarks.diagnose_e2e_levers [--model mixtral] [--out DIR]
+    python -m benchmarks.diagnose_e2e_levers [--model mixtral] [--levers overlap,graph,graph_kernels] [--out DIR]
 """
 
 from __future__ import annotations
@@ -123,13 +126,68 @@ def graph(model, ids, timer) -> dict:
     return graph_vs_eager(fwd_bwd, timer)
 
 
+def _kernel_ms(run, iters: int) -> tuple[dict[str, float], int]:
+    """({kernel, copy or fill name: device ms per call}, device events per call) of ``iters`` calls of ``run``."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = {}
+    count = 0
+    for event in prof.events():
+        if (event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0
+                and not getattr(event, "is_user_annotation", False)):
+            per_name[event.name] = per_name.get(event.name, 0.0) + event.device_time_total / 1e3 / iters
+            count += 1
+    return per_name, count // iters
+
+
+def graph_kernels(model, ids, timer, iters: int = 3, top: int = 25) -> dict:
+    def fwd_bwd():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    for _ in range(3):
+        fwd_bwd()
+    eager, eager_count = _kernel_ms(fwd_bwd, iters)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    graph.replay()
+    replay, replay_count = _kernel_ms(graph.replay, iters)
+    names = set(eager) | set(replay)
+    diff = sorted(((replay.get(n, 0.0) - eager.get(n, 0.0), n) for n in names), key=lambda d: -abs(d[0]))
+    return {"eager_ms": timer(fwd_bwd)[0], "replay_ms": timer(graph.replay)[0],
+            "eager_kernel_sum_ms": sum(eager.values()), "replay_kernel_sum_ms": sum(replay.values()),
+            "eager_kernels": eager_count, "replay_kernels": replay_count,
+            "largest_differences": [{"kernel": n[:160], "eager_ms": round(eager.get(n, 0.0), 4),
+                                     "replay_ms": round(replay.get(n, 0.0), 4), "replay_minus_eager_ms": round(d, 4)}
+                                    for d, n in diff[:top]]}
+
+
+LEVERS = {"overlap": overlap, "graph": graph, "graph_kernels": graph_kernels}
+
+
 def main():
-    args = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
+    parser = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--levers", default="overlap,graph", help=f"comma-separated, of {sorted(LEVERS)}")
+    args = parser.parse_args()
+    levers = args.levers.split(",")
+    unknown = sorted(set(levers) - set(LEVERS))
+    if unknown:
+        parser.error(f"--levers: unknown {unknown}; choose from {sorted(LEVERS)}")
     model, ids = build(args.model, args.seq_len, args.micro_batch)
     # ~100 ms of head start (at ~2 GHz): the host queues a whole step before the GPU reaches the start event
     timer = Timer(warmup=3, repeats=args.repeats, head_start_cycles=200_000_000)
     result = {"model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
-    for name, fn in (("overlap", overlap), ("graph", graph)):
+    for name in levers:
+        fn = LEVERS[name]
         try:
             result[name] = fn(model, ids, timer)
         except Exception as err:  # one lever's failure still reports the other

@@ -5,7 +5,7 @@
 #   here:   see shared/BENCHMARKS.md to fill .whl/ (DeepSpeed, pydantic, hjson, liger-kernel wheels)
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
-# LF_STEPS picks steps (default: build verify tests bench_ops bench_moe); the others: build_ops (all ops through
+# LF_STEPS picks steps (default: build verify tests bench_ops bench_moe; LF_LEVERS: diagnose_levers's --levers); the others: build_ops (all ops through
 # build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
@@ -119,7 +119,7 @@ fi
 has diagnose_moe && step diagnose_moe python3 -m benchmarks.diagnose_moe --out $RES
 # issue 5: the optimizer beside the forward on two streams, and the fwd+bwd as one CUDA graph (device-side levers)
 if has diagnose_levers; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
-  step diagnose_levers_$shape python3 -m benchmarks.diagnose_e2e_levers --model $shape --out $RES
+  step diagnose_levers_$shape python3 -m benchmarks.diagnose_e2e_levers --model $shape --out $RES ${LF_LEVERS:+--levers $LF_LEVERS}
 done; fi
 # the decoder layers' residual adds fused (fused_kernels.residual_add) or not: fwd+bwd time, energy and kernels
 if has diagnose_residual; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
