@@ -9,7 +9,8 @@ GPU's now (NOTES: "a step that is now the GPU's"), so only device time counts:
    the host far ahead: what the ~1200 launches and the gaps between them cost.
 3. graph_kernels: why the replay of 2. is slower than eager (8.8 ms at 5325e3c): one eager fwd+bwd and one replay
    under torch.profiler, their kernels' device time summed per name, and the names whose time differs most (a
-   kernel only one of them runs shows as all of its time).
+   kernel only one of them runs shows as all of its time), and how SDPA was called in each (mask, GQA, causal).
+4. sdpa_graph: the attention alone, as eager calls it, eager against a graph of it, with its kernels.
 
 The model is launch/train.py's preset with LoongForge injected (bf16, fused loss), without DeepSpeed; the timings
 are device times (benchmarks/harness.Timer with a head start long enough for the host to queue a whole step).
@@ -126,6 +127,42 @@ def graph(model, ids, timer) -> dict:
     return graph_vs_eager(fwd_bwd, timer)
 
 
+def sdpa_graph(model, ids, timer) -> dict:
+    """The model's attention alone (its SDPA call as eager hands it over: causal, GQA, no mask), fwd+bwd, eager
+    against a CUDA graph of it, with the kernels of each: whether the slower attention in a captured step is
+    torch's SDPA under capture or what transformers hands it there."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    batch, seq = ids.shape
+    q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+        out.backward(grad)
+
+    result = graph_vs_eager(fwd_bwd, timer)
+    for _ in range(3):
+        fwd_bwd()
+    eager, _ = _kernel_ms(fwd_bwd, 3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    replay, _ = _kernel_ms(graph.replay, 3)
+    result["eager_kernels_ms"] = {n[:120]: round(t, 4) for n, t in sorted(eager.items(), key=lambda x: -x[1])[:8]}
+    result["replay_kernels_ms"] = {n[:120]: round(t, 4) for n, t in sorted(replay.items(), key=lambda x: -x[1])[:8]}
+    return result
+
+
 def _kernel_ms(run, iters: int) -> tuple[dict[str, float], int]:
     """({kernel, copy or fill name: device ms per call}, device events per call) of ``iters`` calls of ``run``."""
     torch.cuda.synchronize()
@@ -143,9 +180,45 @@ def _kernel_ms(run, iters: int) -> tuple[dict[str, float], int]:
     return per_name, count // iters
 
 
+class _SdpaCalls:
+    """Records how F.scaled_dot_product_attention is called (mask or none, is_causal, enable_gqa, q/k heads), and
+    whether a stream was capturing then: what transformers' attention hands SDPA eager and under capture."""
+
+    def __init__(self):
+        self.seen: dict[str, int] = {}
+        self._original = torch.nn.functional.scaled_dot_product_attention
+
+    def __enter__(self):
+        def sdpa(query, key, value, attn_mask=None, *args, **kwargs):
+            mask = "none" if attn_mask is None else f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
+            key_ = (f"capturing={torch.cuda.is_current_stream_capturing()} mask={mask} "
+                    f"is_causal={kwargs.get('is_causal')} enable_gqa={kwargs.get('enable_gqa')} "
+                    f"q_heads={query.shape[1]} k_heads={key.shape[1]}")
+            self.seen[key_] = self.seen.get(key_, 0) + 1
+            return self._original(query, key, value, attn_mask, *args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._original
+
+
 def graph_kernels(model, ids, timer, iters: int = 3, top: int = 25) -> dict:
     def fwd_bwd():
         model(input_ids=ids, labels=ids).loss.backward()
+
+    with _SdpaCalls() as calls:  # one eager call and one capture: how attention was called in each
+        fwd_bwd()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fwd_bwd()
+        torch.cuda.current_stream().wait_stream(side)
+        probe = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(probe):
+            fwd_bwd()
+        del probe
 
     for _ in range(3):
         fwd_bwd()
@@ -163,7 +236,7 @@ def graph_kernels(model, ids, timer, iters: int = 3, top: int = 25) -> dict:
     replay, replay_count = _kernel_ms(graph.replay, iters)
     names = set(eager) | set(replay)
     diff = sorted(((replay.get(n, 0.0) - eager.get(n, 0.0), n) for n in names), key=lambda d: -abs(d[0]))
-    return {"eager_ms": timer(fwd_bwd)[0], "replay_ms": timer(graph.replay)[0],
+    return {"sdpa_calls": calls.seen, "eager_ms": timer(fwd_bwd)[0], "replay_ms": timer(graph.replay)[0],
             "eager_kernel_sum_ms": sum(eager.values()), "replay_kernel_sum_ms": sum(replay.values()),
             "eager_kernels": eager_count, "replay_kernels": replay_count,
             "largest_differences": [{"kernel": n[:160], "eager_ms": round(eager.get(n, 0.0), 4),
@@ -171,7 +244,7 @@ def graph_kernels(model, ids, timer, iters: int = 3, top: int = 25) -> dict:
                                     for d, n in diff[:top]]}
 
 
-LEVERS = {"overlap": overlap, "graph": graph, "graph_kernels": graph_kernels}
+LEVERS = {"overlap": overlap, "graph": graph, "graph_kernels": graph_kernels, "sdpa_graph": sdpa_graph}
 
 
 def main():
