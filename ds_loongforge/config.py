@@ -6,6 +6,7 @@ typo never silently turns an optimization off.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from typing import Any, Literal
 
@@ -13,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a JSON config gives true/false, numbers and strings as they are meant; "no", 0 or "2" are errors (in
+    # lax mode "no" would pass as false and "yes" as true); floats also take integers. No inf or nan anywhere.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class FusedKernelsConfig(_Section):
@@ -177,8 +180,27 @@ def parse_config(ds_config: dict[str, Any] | None) -> LoongForgeConfig:
         problems = []
         for e in err.errors():
             key = "loongforge." + ".".join(str(p) for p in e["loc"])
-            problems.append(f"{key} = {e.get('input')!r}: {e['msg']}")
+            message = e["msg"]
+            if e["type"] == "extra_forbidden":
+                message = _unknown_key_message(e["loc"])
+            problems.append(f"{key} = {e.get('input')!r}: {message}")
         raise LoongForgeConfigError("invalid \"loongforge\" config:\n  " + "\n  ".join(problems)) from None
+
+
+def _unknown_key_message(loc: tuple) -> str:
+    """What to say about an unknown key at ``loc``: the keys its section allows, and the closest one."""
+    section: type[BaseModel] = LoongForgeConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return "unknown key"
+        section = annotation
+    allowed = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    where = "loongforge." + ".".join(str(p) for p in loc[:-1]) if len(loc) > 1 else "loongforge"
+    return f"unknown key; {hint}{where} allows {', '.join(allowed)}"
 
 
 def apply_op_settings(config: LoongForgeConfig) -> None:
