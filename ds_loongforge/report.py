@@ -19,9 +19,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from torch.utils.cpp_extension import get_default_build_root
 
-from ds_loongforge.op_builder import OpBuildError, all_builders, build_ops
+from ds_loongforge.op_builder import FusedRMSNormBuilder, OpBuildError, all_builders, build_ops
 from ds_loongforge.ops import numerics
 
 
@@ -70,8 +69,16 @@ def environment() -> dict[str, str]:
         "ds_loongforge": package_version("ds_loongforge"),
         "GPU": gpu,
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "(unset)"),
-        "torch extensions dir": get_default_build_root(),
+        "torch extensions dir": extensions_dir(),
     }
+
+
+def extensions_dir() -> str:
+    """Where JIT builds of the ops are cached, as the builders look there (``jit_cached``, ``load``):
+    TORCH_EXTENSIONS_DIR when set, else torch's default root with its per-Python/CUDA folder."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.dirname(_get_build_directory(FusedRMSNormBuilder.NAME, verbose=False))
 
 
 @dataclass

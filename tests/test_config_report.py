@@ -1,5 +1,6 @@
 """The "loongforge" config block and loongforge_report."""
 
+import os
 import re
 import subprocess
 import sys
@@ -59,6 +60,15 @@ def test_report_lists_every_op_and_versions():
         assert name in out.stdout
     for key in ("torch:", "torch CUDA:", "nvcc:", "NCCL:", "DeepSpeed:", "transformers:", "liger-kernel:", "GPU:"):
         assert key in out.stdout
+
+
+def test_report_shows_the_extensions_dir_the_builders_use(tmp_path):
+    """TORCH_EXTENSIONS_DIR is where JIT builds go and where the report's "JIT cached" column looks; the report
+    showed torch's default root instead."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-m", "ds_loongforge.report"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert f"torch extensions dir:   {tmp_path / 'ext'}\n" in out.stdout
 
 
 def test_report_verify_passes_here():
