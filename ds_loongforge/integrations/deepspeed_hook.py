@@ -5,7 +5,8 @@
 Same arguments and return values as ``deepspeed.initialize``. With ``"loongforge": {"enabled": true}`` in the
 config (a dict, a JSON path, or ``args.deepspeed_config``), before DeepSpeed builds its engine:
 
-1. the op settings (``strict_ops``) are applied;
+1. the op settings (``strict_ops``) are applied, and with ``moe.ep_size`` > 1 torch.distributed is initialised
+   as ``deepspeed.initialize`` would (its first step, taken early: inject needs the ranks);
 2. ``inject(model, config)`` replaces RMSNorm, SwiGLU MLP and MoE modules (one log line per family and the
    modules left as they were, with the reason);
 3. parameters the caller collected before (``model_parameters``, a client optimizer's groups) are remapped to
@@ -126,6 +127,8 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
                          "parameters are already partitioned and cannot be copied into LoongForge modules; build "
                          "the model without zero.Init, or set \"loongforge\": {\"enabled\": false}")
     apply_op_settings(config)
+    if config.moe.ep_size > 1:
+        _init_distributed(call, config.moe.ep_size)
 
     params_before = dict(model.named_parameters())
     inject(model, config)
@@ -182,6 +185,26 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
     return engine, optimizer, loader, scheduler
+
+
+def _init_distributed(call: dict, ep_size: int) -> None:
+    """torch.distributed as ``deepspeed.initialize`` sets it up (its own first step, with the call's
+    ``distributed_port`` and ``dist_init_required``), done before inject: expert parallelism needs the ranks to
+    know which experts each holds. An unmodified script leaves that to deepspeed.initialize, which would come too
+    late for inject."""
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        return
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=call.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),
+                               dist_init_required=call.get("dist_init_required"))
+    logger.info("[LoongForge] torch.distributed initialised before inject (moe.ep_size=%d), as "
+                "deepspeed.initialize would have", ep_size)
 
 
 def _start_profiler(engine, report_every: int) -> None:

@@ -442,11 +442,16 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
     intermediate = two_i // 2
     top_k = int(gate.top_k)
     ep_size = config.moe.ep_size
+    # expert parallelism was asked for: a block it cannot apply to is an error, not a block left stock (the run
+    # would hold every expert on every rank, which is not what the config says)
     if num_experts % ep_size:
-        return None, f"{num_experts} experts are not divisible by moe.ep_size={ep_size}"
+        raise ValueError(f"inject: moe.ep_size={ep_size} does not divide the {num_experts} experts of "
+                         f"{type(block).__name__}; choose an ep_size that divides both the number of experts and "
+                         "the world size")
     if ep_size > 1 and not dist.is_initialized():
-        return None, (f"moe.ep_size={ep_size} needs torch.distributed initialised before inject, to know which "
-                      "experts this rank holds (call deepspeed.init_distributed() first)")
+        raise ValueError(f"inject: moe.ep_size={ep_size} needs torch.distributed initialised before inject, to know "
+                         "which experts this rank holds: call deepspeed.init_distributed() first (deepspeed."
+                         "initialize with the loongforge block does it itself)")
 
     kwargs = dict(config.moe.layer_kwargs())
     if spec.router == "transformers":

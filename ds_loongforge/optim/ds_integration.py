@@ -37,6 +37,11 @@ DeepSpeed's BF16_Optimizer is itself a ZeRO-1-style partitioned fp32 optimizer, 
 updates with the fp32 state partitioned. This is logged once. ZeRO-0 with fp32 params and no expert
 parallelism uses FusedAdamWClip directly on the gradients DeepSpeed already all-reduced.
 
+A client optimizer passed with such a config (the HF Trainer builds its AdamW when the DeepSpeed config has no
+"optimizer") is replaced by FusedAdamWClip on the client's own param groups, so its hyperparameters and an LR
+scheduler built on it carry over; one FusedAdamWClip cannot stand in for (not AdamW, AMSGrad, state already
+held) is an error.
+
 Not covered (raise at initialize): ZeRO-3, CPU offload, tensor/pipeline parallelism (mpu).
 """
 
@@ -130,9 +135,13 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
     config = throughput_timer_setting(config)  # an enabled loongforge block: no per-step timer syncs
     if not uses_fused_adamw_clip(config):
         return deepspeed.initialize(model=model, model_parameters=model_parameters, config=config, **kwargs)
-    if kwargs.get("optimizer") is not None:
-        raise ValueError("initialize: the config selects FusedAdamWClip; do not pass an optimizer as well")
+    client = kwargs.pop("optimizer", None)
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    if client is not None:
+        params = _client_adamw_groups(client, config)
+        logger.info("[LoongForge] FusedAdamWClip takes the script's %s: its %d parameter groups with their lr, betas, "
+                    "eps and weight decay (an LR scheduler built on it keeps setting the lr)", type(client).__name__,
+                    len(params))
     optimizer = deepspeed_optimizer(params, config, impl=impl)
     expert_parallel = _has_expert_groups(params) or any(getattr(p, "allreduce", True) is False
                                                         for p in model.parameters())
@@ -140,6 +149,45 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
                                   config=deepspeed_config_for(config, expert_parallel), **kwargs)
     attach(result[0], optimizer)
     return result
+
+
+_CLIENT_FLAGS_OFF = ("amsgrad", "maximize")
+
+
+def _client_adamw_groups(client, ds_config: dict) -> list[dict]:
+    """The parameter groups FusedAdamWClip is built on in place of a client optimizer: the HF Trainer builds its
+    AdamW before calling deepspeed.initialize when the DeepSpeed config has no "optimizer" block, and the
+    loongforge block asks for FusedAdamWClip. The groups are the client's own dicts, so that its hyperparameters
+    (per group: lr, betas, eps, weight_decay) are FusedAdamWClip's and an LR scheduler built on the client keeps
+    setting the lr that FusedAdamWClip reads. Only an AdamW (torch's AdamW, or Adam without weight decay, which
+    is the same update) with no AMSGrad or maximize and no state yet is taken; anything else is an error naming
+    the fix."""
+    def refuse(why: str):
+        raise ValueError(f"initialize: the config selects FusedAdamWClip (loongforge.optimizer.fused_adamw_clip or "
+                         f"\"optimizer\": {{\"type\": \"{OPTIMIZER_TYPE}\"}}) and the script passes its own "
+                         f"{type(client).__name__} optimizer, which FusedAdamWClip cannot stand in for: {why}. Set "
+                         "fused_adamw_clip to false to keep the script's optimizer")
+
+    if (ds_config.get("optimizer") or {}).get("type") is not None:
+        refuse('the DeepSpeed config also names an "optimizer"; DeepSpeed takes one or the other')
+    if not isinstance(client, torch.optim.Optimizer):
+        refuse("it is not a torch.optim.Optimizer")
+    decoupled = isinstance(client, torch.optim.AdamW)
+    if not (decoupled or type(client) is torch.optim.Adam):
+        refuse("it is not AdamW")
+    for i, group in enumerate(client.param_groups):
+        for flag in _CLIENT_FLAGS_OFF:
+            if group.get(flag):
+                refuse(f"param group {i} has {flag}=True")
+        if not (decoupled or group.get("decoupled_weight_decay")) and group.get("weight_decay", 0.0) != 0.0:
+            refuse(f"param group {i} is Adam with weight_decay={group['weight_decay']} (L2 in the gradient, "
+                   "not AdamW's decoupled decay)")
+    if any(client.state.values()):
+        refuse("it already holds optimizer state (moments); build the engine before the first step")
+    # the client's step never runs now: tell an LR scheduler built on it (torch's order check) that it did not
+    # miss it, else its first step warns that optimizer.step() was not called before it
+    client._opt_called = True
+    return client.param_groups
 
 
 def attach(engine, optimizer: FusedAdamWClip) -> None:

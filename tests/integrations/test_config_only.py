@@ -93,7 +93,12 @@ args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_step
                          learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True)
 trainer = Trainer(model=model, args=args, train_dataset=data)
 trainer.train()
-report(trainer.model_wrapped.module, trainer.optimizer, trainer.model_wrapped)
+engine = trainer.model_wrapped
+print("OPTIMIZER " + json.dumps({"type": type(engine.basic_optimizer).__name__,
+                                 "lrs": [g["lr"] for g in engine.basic_optimizer.param_groups],
+                                 "weight_decays": [g["weight_decay"] for g in engine.basic_optimizer.param_groups],
+                                 "scheduler_lrs": trainer.lr_scheduler.get_last_lr()}))
+report(engine.module, trainer.optimizer, engine)
 leave()
 """
 
@@ -251,6 +256,56 @@ def test_hf_trainer_with_deepspeed_config(tmp_path, autoload_installed):
     assert "[LoongForge] client optimizer: 6 parameters remapped" in output
     assert result["optimizer_params_in_model"]
     assert result["timer_synchronized"] is False
+
+
+def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, autoload_installed):
+    """The Trainer builds its AdamW before deepspeed.initialize when the DeepSpeed config has no "optimizer";
+    with fused_adamw_clip in the block, FusedAdamWClip stands in for it on its own param groups (a user found this
+    raising "do not pass an optimizer as well"), and the Trainer's LR schedule keeps driving the lr."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("HF Trainer + DeepSpeed needs accelerate, which is not installed in this environment")
+    script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
+    config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, "gradient_clipping": 1.0, "loongforge": {
+        "enabled": True, "optimizer": {"fused_adamw_clip": True}}}))
+    proc = subprocess.run([sys.executable, str(script), str(config), str(tmp_path / "out")], cwd=tmp_path,
+                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    assert "[LoongForge] FusedAdamWClip takes the script's AdamW: its 2 parameter groups" in output
+    lines = [line for line in output.splitlines() if line.startswith("OPTIMIZER ")]
+    assert lines, output[-6000:]
+    opt = json.loads(lines[-1][len("OPTIMIZER "):])
+    assert opt["type"] == "FusedAdamWClip"
+    assert opt["weight_decays"] == [0.0, 0.0]  # the Trainer's groups (decay / no decay), its default weight decay
+    # a linear schedule over max_steps=2 from 1e-3: 0 after the last step, in the groups FusedAdamWClip reads
+    assert opt["lrs"] == opt["scheduler_lrs"] == [0.0, 0.0]
+    assert _result(output)["optimizer_params_in_model"]
+
+
+EP_SCRIPT_RANKS = 2
+
+
+def test_expert_parallel_from_the_block_alone(tmp_path, autoload_installed):
+    """An unmodified script run on 2 ranks with moe.ep_size=2 in the block gets expert-parallel MoE layers:
+    the hook initialises torch.distributed before inject, as deepspeed.initialize would just after (a user found
+    the MoE blocks left stock, "needs torch.distributed initialised before inject")."""
+    script = _write(tmp_path, "train_ds.py", DEEPSPEED_SCRIPT)
+    config = _write(tmp_path, "ep.json", json.dumps({**DS_BASE, "loongforge": {"enabled": True,
+                                                                                "moe": {"ep_size": 2}}}))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(EP_SCRIPT_RANKS),
+                           "--master_port", str(_free_port()), str(script), str(config)], cwd=tmp_path,
+                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    # both ranks print to one pipe, so a RESULT may share its line with the other rank's output
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(part)[0] for part in output.split("RESULT ")[1:]]
+    assert len(results) == EP_SCRIPT_RANKS, output[-6000:]
+    for result in results:
+        assert "DeepSpeedExpertMaskedMoE" in result["types"] and "MixtralSparseMoeBlock" not in result["types"]
+        assert result["optimizer_params_in_model"]
+    assert "[LoongForge] torch.distributed initialised before inject (moe.ep_size=2)" in output
+    assert "[LoongForge] DeepSpeedExpertMaskedMoE: 2 modules" in output
 
 
 def test_library_entry_points_are_lazy():

@@ -284,12 +284,14 @@ def test_switches_off_are_reported():
     assert len(report.not_replaced) == 5 + 2 + 1 + 2 + 2
 
 
-def test_expert_parallel_without_distributed_is_reported():
-    model = build("mixtral")
-    report = inject(model, {"enabled": True, "moe": {"ep_size": 2}})
-    assert report.replaced == {KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}
-    assert [p for p, _ in report.not_replaced] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert "torch.distributed" in report.not_replaced[0][1]
+def test_expert_parallel_that_cannot_apply_is_an_error():
+    """ep_size > 1 is a request for expert parallelism: without torch.distributed, or with an ep_size that does not
+    divide the experts, inject raises instead of leaving the MoE blocks stock (every expert on every rank)."""
+    with pytest.raises(ValueError, match=r"moe\.ep_size=2 needs torch\.distributed initialised before inject.*"
+                       r"deepspeed\.init_distributed\(\)"):
+        inject(build("mixtral"), {"enabled": True, "moe": {"ep_size": 2}})
+    with pytest.raises(ValueError, match=r"moe\.ep_size=3 does not divide the 4 experts of MixtralSparseMoeBlock"):
+        inject(build("mixtral"), {"enabled": True, "moe": {"ep_size": 3}})
 
 
 def test_unsupported_model_is_reported_not_raised(caplog):

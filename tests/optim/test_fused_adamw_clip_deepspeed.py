@@ -210,6 +210,53 @@ def test_config_errors_name_the_value():
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": -1}}})
 
 
+def test_client_adamw_stands_in_on_its_own_groups():
+    """A script's (the HF Trainer's) AdamW under a config that selects FusedAdamWClip without an "optimizer"
+    block: FusedAdamWClip is built on the client's own group dicts (hyperparameters per group; an LR scheduler
+    built on the client keeps setting the lr FusedAdamWClip reads), with the config's clip."""
+    from ds_loongforge.optim.ds_integration import _client_adamw_groups
+
+    model = _model(0)
+    config = {"gradient_clipping": CLIP, "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
+    client = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.8, 0.9), eps=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 0.5 ** step)
+    opt = deepspeed_optimizer(_client_adamw_groups(client, config), config)
+    assert opt.param_groups[0] is client.param_groups[0] and opt.param_groups[1] is client.param_groups[1]
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["max_norm"] == CLIP
+    assert opt.param_groups[1]["lr"] == 2 * LR and opt.param_groups[1]["weight_decay"] == 0.0
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == LR / 2 and opt.param_groups[1]["lr"] == LR  # the scheduler sets our lr
+    # Adam without weight decay is the same update
+    assert _client_adamw_groups(torch.optim.Adam(model.parameters(), lr=LR), config)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "it is not AdamW"),
+    (lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1), r"param group 0 is Adam with weight_decay=0\.1"),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True), "param group 0 has amsgrad=True"),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1, maximize=True), "param group 0 has maximize=True"),
+])
+def test_client_optimizer_fused_adamw_clip_cannot_stand_in_for(make, why):
+    from ds_loongforge.optim.ds_integration import _client_adamw_groups
+
+    config = {"loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
+    with pytest.raises(ValueError, match=f"cannot stand in for: {why}.*Set fused_adamw_clip to false"):
+        _client_adamw_groups(make(_model(0).parameters()), config)
+
+
+def test_client_optimizer_with_state_or_beside_a_config_optimizer_is_refused():
+    from ds_loongforge.optim.ds_integration import _client_adamw_groups
+
+    model = _model(0)
+    client = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=r'the DeepSpeed config also names an "optimizer"'):
+        _client_adamw_groups(client, _config(1))
+    model(torch.randn(3, model[0].in_features)).sum().backward()
+    client.step()
+    with pytest.raises(ValueError, match="already holds optimizer state"):
+        _client_adamw_groups(client, {"loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}})
+
+
 def test_device_loss_scaler_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
     """The same overflow sequence through DeepSpeed's host DynamicLossScaler and our device one gives the
     same scale after every step, for hysteresis 1 and 2, with and without consecutive hysteresis."""
