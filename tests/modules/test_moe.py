@@ -34,6 +34,30 @@ def _pair(hidden, inter, experts, k, dtype, device):
     return hf, ours
 
 
+# Our fused top-k and transformers' router (torch.softmax, then torch.topk of the fp32 probabilities) may order two
+# experts otherwise where their logits lie within about an ulp of the probabilities apart: measured on the CPU with
+# the k-th and (k+1)-th logits set a uniform gap apart, the choices differ with a probability that integrates to 4e-8
+# (E16k4) to 5e-8 (E4k2) over the gap in logit units, and never at a gap of 1e-6 or more (0 of 1M tokens). With
+# logits of std ~1 the gap's density at 0 is 1.3 (E4k2), 2.3 (E8k2), 4.8 (E16k4) per token, so over 111 tokens a
+# changed expert (far beyond any tolerance) came in 7e-6 to 2e-5 of the runs per shape, 4.5e-5 per CI run over the
+# four. Inputs are redrawn where a gap is below MIN_ROUTER_GAP (ten times the 1e-6 past which none flipped; 0.5% of the
+# draws at E16k4), so every choice compared is decided by a margin.
+MIN_ROUTER_GAP = 1e-5
+
+
+def _randn_without_router_near_tie(shape, gate_weight, k, **kwargs):
+    """torch.randn(shape) whose rows' router logits (fp64) have a gap of at least MIN_ROUTER_GAP after the k-th."""
+    for _ in range(100):
+        x = torch.randn(shape, **kwargs)
+        if k == gate_weight.shape[0]:
+            return x
+        logits = x.reshape(-1, shape[-1]).double().cpu() @ gate_weight.detach().double().cpu().t()
+        top = logits.sort(-1, descending=True).values
+        if top.numel() == 0 or float((top[:, k - 1] - top[:, k]).min()) >= MIN_ROUTER_GAP:
+            return x
+    raise AssertionError(f"100 draws all had a router near-tie below {MIN_ROUTER_GAP}: degenerate router weights")
+
+
 def _run(module, x, dy):
     x = x.detach().requires_grad_()
     y = module(x)
@@ -48,7 +72,7 @@ def _run(module, x, dy):
 def test_matches_mixtral_block_fp32(impl, hidden, inter, experts, k):
     hf, ours = _pair(hidden, inter, experts, k, torch.float32, impl)
     assert set(ours.state_dict()) == set(hf.state_dict())
-    x = torch.randn(3, 37, hidden, device=impl)
+    x = _randn_without_router_near_tie((3, 37, hidden), hf.gate.weight, k, device=impl)  # see MIN_ROUTER_GAP
     dy = torch.randn_like(x)
     got, names = _run(ours, x, dy)
     want, _ = _run(hf, x, dy)
@@ -273,7 +297,9 @@ def test_sampled_router_draws_k_distinct_experts():
 
 def test_aux_losses_match_their_formulas():
     moe = ExpertMaskedMoE(16, 16, 4, 2, aux_loss_coef=0.01, z_loss_coef=0.001, impl="cpu").train()
-    x = torch.randn(50, 16)
+    # the expected counts take torch.topk of torch's softmax: inputs without a top-2 near-tie (MIN_ROUTER_GAP; a flip
+    # moves the loss by ~1e-5, far past its tolerance, in ~6e-6 of the runs at 50 tokens of logits of std 0.58)
+    x = _randn_without_router_near_tie((50, 16), moe.gate.weight, 2)
     moe(x)
     logits = x @ moe.gate.weight.t()
     probs = torch.softmax(logits, -1)

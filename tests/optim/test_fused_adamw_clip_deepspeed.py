@@ -23,6 +23,15 @@ CLIP = 0.05        # below the gradient norms here: every finite step clips
 STEPS = 5
 NAN_STEP = 2       # rank 0's input is nan on this step: every rank must skip it
 LR, WD = 0.02, 0.1
+# Adam's eps, 1e-4 instead of the default 1e-8. Adam steps an entry by about lr * g / (|g| + eps), and ranks summing
+# their gradients round otherwise than one backward over the global batch (~1e-10 here, clipped gradients ~3e-3):
+# with eps 1e-8 an entry whose gradient lies within ~2e-7 of 0 takes a different first step by more than atol 1e-6,
+# up to 2 lr where the sign flips. An emulation of the world-2 fp32 comparison (per-rank mean gradients averaged,
+# FusedAdamWClip against torch AdamW + clip_grad_norm_ on the global batch) failed 7 of 2000 seeds (3.5e-3, the worst
+# 110x the tolerance). With eps 1e-4 the step moves at most lr / eps = 200 per unit of gradient, 6e-8 for an error of
+# 3e-10: 1000 seeds' worst was 0.09 of the tolerance. A wrong eps (or one put inside the root) is off by
+# ~lr * eps / |g| ~ 6e-4, a wrong moment or decay by O(lr).
+EPS = 1e-4
 SPAWN_TIMEOUT_S = 240
 RESUMED_RUNS = [(2, False), (2, True)]  # checkpointed one step before the end and resumed
 RUNS = [(0, False), (1, False), (2, False), (2, True), (0, True)]  # (ZeRO stage, bf16); ZeRO-0 bf16 runs as ZeRO-1
@@ -60,7 +69,7 @@ def _config(stage: int, by_block: bool = False, bf16: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
               "optimizer": {"type": "LoongForgeAdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95],
-                                                                  "impl": "cpu"}}}
+                                                                  "eps": EPS, "impl": "cpu"}}}
     if by_block:
         config["optimizer"]["type"] = "AdamW"
         config["loongforge"] = {"enabled": True, "optimizer": {"fused_adamw_clip": True}}
@@ -123,7 +132,7 @@ def _worker(rank, world, port, seed, out_dir):
 
 def _torch_reference(seed: int, world: int):
     model = _model(seed)
-    ref_opt = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.9, 0.95))
+    ref_opt = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.9, 0.95), eps=EPS)
     norms, params = [], []
     for x, target in _batches(world, seed):
         ref_opt.zero_grad()
@@ -190,6 +199,7 @@ def test_config_selects_and_builds_the_optimizer():
     assert not uses_fused_adamw_clip(dict(plain, loongforge=disabled))
     opt = deepspeed_optimizer(_groups(model), _config(2))
     assert opt.param_groups[0]["max_norm"] == CLIP and opt.param_groups[0]["betas"] == (0.9, 0.95)
+    assert opt.param_groups[0]["eps"] == EPS
     assert opt.param_groups[1]["lr"] == 2 * LR and opt.param_groups[1]["weight_decay"] == 0.0
     ds = deepspeed_config_for(_config(2))
     assert "optimizer" not in ds and ds["gradient_clipping"] == 0.0 and ds["zero_allow_untested_optimizer"]
