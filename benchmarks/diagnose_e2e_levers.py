@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.diagnose_moe import captured as captured_fn
 from benchmarks.diagnose_moe import graph_vs_eager
 from benchmarks.harness import Timer
 
@@ -145,22 +146,20 @@ def sdpa_graph(model, ids, timer) -> dict:
         out.backward(grad)
 
     result = graph_vs_eager(fwd_bwd, timer)
-    for _ in range(3):
-        fwd_bwd()
-    eager, _ = _kernel_ms(fwd_bwd, 3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fwd_bwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd_bwd()
-    replay, _ = _kernel_ms(graph.replay, 3)
+    (eager, _), (replay, _), _ = _eager_and_replay_kernels(fwd_bwd, 3)
     result["eager_kernels_ms"] = {n[:120]: round(t, 4) for n, t in sorted(eager.items(), key=lambda x: -x[1])[:8]}
     result["replay_kernels_ms"] = {n[:120]: round(t, 4) for n, t in sorted(replay.items(), key=lambda x: -x[1])[:8]}
     return result
+
+
+def _eager_and_replay_kernels(fn, iters: int):
+    """(_kernel_ms of ``fn`` eager, _kernel_ms of its CUDA graph's replay, the graph), each after warm-up."""
+    for _ in range(3):
+        fn()
+    eager = _kernel_ms(fn, iters)
+    graph = captured_fn(fn)
+    graph.replay()
+    return eager, _kernel_ms(graph.replay, iters), graph
 
 
 def _kernel_ms(run, iters: int) -> tuple[dict[str, float], int]:
@@ -210,30 +209,8 @@ def graph_kernels(model, ids, timer, iters: int = 3, top: int = 25) -> dict:
 
     with _SdpaCalls() as calls:  # one eager call and one capture: how attention was called in each
         fwd_bwd()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fwd_bwd()
-        torch.cuda.current_stream().wait_stream(side)
-        probe = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(probe):
-            fwd_bwd()
-        del probe
-
-    for _ in range(3):
-        fwd_bwd()
-    eager, eager_count = _kernel_ms(fwd_bwd, iters)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fwd_bwd()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd_bwd()
-    graph.replay()
-    replay, replay_count = _kernel_ms(graph.replay, iters)
+        captured_fn(fwd_bwd, warmup=1)  # the probe graph is dropped at once
+    (eager, eager_count), (replay, replay_count), graph = _eager_and_replay_kernels(fwd_bwd, iters)
     names = set(eager) | set(replay)
     diff = sorted(((replay.get(n, 0.0) - eager.get(n, 0.0), n) for n in names), key=lambda d: -abs(d[0]))
     return {"sdpa_calls": calls.seen, "eager_ms": timer(fwd_bwd)[0], "replay_ms": timer(graph.replay)[0],

@@ -57,18 +57,25 @@ def timeline(fn, iters: int = 3, top: int = 25) -> dict:
     return kernel_timeline(prof, iters=iters, top=top)
 
 
-def graph_vs_eager(fn, timer) -> dict:
-    eager_ms = timer(fn)[0]
+def captured(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after ``warmup`` calls on a side stream (torch's recipe: lazy state and
+    the caching allocator's blocks settle outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_vs_eager(fn, timer) -> dict:
+    eager_ms = timer(fn)[0]
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        graph = captured(fn)
     except Exception as err:  # a host sync or a host-dependent shape inside the layer makes capture fail
         return {"eager_ms": eager_ms, "graph": f"capture failed: {type(err).__name__}: {str(err)[:300]}"}
     graph_ms = timer(graph.replay)[0]
