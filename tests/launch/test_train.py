@@ -92,6 +92,25 @@ def test_loongforge_run_checkpoint_and_exact_resume(tmp_path):
     assert resumed["eval_loss"] == full["eval_loss"]
 
 
+def test_resume_with_fused_adamw_clip_repeats_every_step_bit_for_bit(tmp_path):
+    """With FusedAdamWClip a resumed run repeats every later step of the uninterrupted one exactly (the README says
+    so). DeepSpeed's CPU FusedAdam, cpu.json's optimizer, drifts by an ulp from the second resumed step on (stock
+    DeepSpeed alike), so this checks the block's optimizer, three steps past the checkpoint."""
+    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
+    config["loongforge"]["optimizer"] = {"fused_adamw_clip": True}
+    path = tmp_path / "fused_adamw_clip.json"
+    path.write_text(json.dumps(config))
+    ckpt = tmp_path / "ckpt"
+    args = ("--deepspeed_config", str(path), "--steps", "8", "--save-dir", str(ckpt), "--log-every", "1")
+    full = _train(*args, "--save-every", "5")
+    assert full["optimizer"] == "FusedAdamWClip" and [s for s, _ in full["loss_history"]] == list(range(1, 9))
+    (ckpt / "latest").write_text("step5")
+    resumed = _train(*args, "--resume")
+    assert resumed["start_step"] == 5
+    assert resumed["loss_history"] == full["loss_history"][5:], (resumed["loss_history"], full["loss_history"])
+    assert resumed["eval_loss"] == full["eval_loss"]
+
+
 def test_fused_loss_trains_like_the_unfused_loss(tmp_path):
     """The same LoongForge run with fused_kernels.linear_cross_entropy off: the same losses (fp32 on CPU: only
     the summation order differs), so the fused LM head + cross-entropy changes nothing the model learns."""
