@@ -238,10 +238,14 @@ def test_stock_deepspeed_without_enabled_block(ds_runs, case):
     assert result["timer_synchronized"] is True  # DeepSpeed's default, untouched
 
 
-def test_hf_trainer_with_deepspeed_config(tmp_path, autoload_installed):
+@pytest.fixture
+def trainer_with_deepspeed(autoload_installed):
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("HF Trainer + DeepSpeed needs accelerate (Trainer hands DeepSpeed to accelerate's Accelerator, "
                     "which calls deepspeed.initialize); accelerate is not installed in this environment")
+
+
+def test_hf_trainer_with_deepspeed_config(tmp_path, trainer_with_deepspeed):
     script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
     config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, **ENABLED}))
     proc = subprocess.run([sys.executable, str(script), str(config), str(tmp_path / "out")], cwd=tmp_path,
@@ -258,12 +262,10 @@ def test_hf_trainer_with_deepspeed_config(tmp_path, autoload_installed):
     assert result["timer_synchronized"] is False
 
 
-def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, autoload_installed):
+def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, trainer_with_deepspeed):
     """The Trainer builds its AdamW before deepspeed.initialize when the DeepSpeed config has no "optimizer";
     with fused_adamw_clip in the block, FusedAdamWClip stands in for it on its own param groups (a user found this
     raising "do not pass an optimizer as well"), and the Trainer's LR schedule keeps driving the lr."""
-    if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("HF Trainer + DeepSpeed needs accelerate, which is not installed in this environment")
     script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
     config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, "gradient_clipping": 1.0, "loongforge": {
         "enabled": True, "optimizer": {"fused_adamw_clip": True}}}))

@@ -267,7 +267,7 @@ def test_injected_model_with_fused_loss_matches_stock():
     stock = build("qwen2_moe").train()
     injected = copy.deepcopy(stock)
     assert inject(injected, {"enabled": True}).fused_loss
-    # ExpertMaskedMoE's router against stock's: tokens without a top-k near-tie (test_inject.MIN_ROUTER_GAP; a flip,
+    # ExpertMaskedMoE's router against stock's: tokens without a top-k near-tie (tests/_params.MIN_ROUTER_GAP; a flip,
     # in about 1.4e-5 of the runs at 24 tokens, moves the loss and the head's gradient past the tolerances)
     ids, labels = batch(routed_like=stock)
     ref, _ = loss_and_grads(stock, input_ids=ids, labels=labels)

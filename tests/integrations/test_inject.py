@@ -15,6 +15,7 @@ from ds_loongforge.integrations.inject import (KIND_MLP, KIND_MOE, KIND_MOE_EP, 
                                                KIND_RMSNORM, InjectionReport, SharedExpertsMixin, inject)
 from ds_loongforge.modules import ExpertMaskedMoE, FusedRMSNorm, FusedSwiGLUMLP
 from ds_loongforge.modules.qkv import FusedQKVLinear
+from tests._params import draw_without_router_near_tie
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,39 +70,24 @@ def build(family: str) -> nn.Module:
     return model
 
 
-# Our router (ExpertMaskedMoE's fused top-k) and a stock one (torch.softmax, then torch.topk of the probabilities) may
-# order two experts otherwise where their fp32 logits lie within about an ulp of the probabilities apart; the model's
-# other fp32 roundings move the logits by less. Measured on the CPU (1.4M tokens whose k-th and (k+1)-th logits were
-# set a uniform gap apart): the choices differ with a probability that integrates to 5e-8 over the gap in logit
-# units, and never at a gap of 1e-6 or more (0 of 1M tokens). These models' router logits (std 0.11) put a density
-# of about 12 per top-k decision at a zero gap, 500-600 per draw of 2 x 12 tokens over two MoE layers (300 draws per
-# family measured): a changed expert, far beyond the tolerances, in about 3e-5 of the runs per family, 1e-4 per CI
-# run over the four. Tokens are redrawn where a stock gap is below MIN_ROUTER_GAP (ten times the 1e-6 past which none
-# flipped; about 0.5% of the draws), so every routing these tests compare is decided by a margin; any other
-# difference still fails.
-MIN_ROUTER_GAP = 1e-5
-
-
-def min_router_gap(model: nn.Module, ids: torch.Tensor) -> float:
-    """The smallest gap between the k-th and (k+1)-th router logit over the model's MoE layers and tokens (inf for
-    a model that records no router logits: dense, or DeepSeek-V3, whose router inject keeps)."""
-    config = model.config
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if top_k is None or not getattr(config, "output_router_logits", False):
-        return float("inf")
+# Router near-ties (tests/_params.MIN_ROUTER_GAP): these models' router logits (std 0.11) put a density of about 12
+# per top-k decision at a zero gap, 500-600 per draw of 2 x 12 tokens over two MoE layers (300 draws per family
+# measured): a changed expert in about 3e-5 of the runs per family, 1e-4 per CI run over the four, before tokens were
+# redrawn where a stock gap is below MIN_ROUTER_GAP (about 0.5% of the draws); any other difference still fails.
+def _stock_router_logits(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The router logits of every MoE layer ([] for a model that records none: dense, or DeepSeek-V3, whose router
+    inject keeps)."""
+    if not getattr(model.config, "output_router_logits", False):
+        return []
     with torch.no_grad():
-        router_logits = model(input_ids=ids, output_router_logits=True).router_logits
-    gaps = [layer.double().sort(-1, descending=True).values for layer in router_logits]
-    return min(float((g[:, top_k - 1] - g[:, top_k]).min()) for g in gaps)
+        return list(model(input_ids=ids, output_router_logits=True).router_logits)
 
 
 def token_ids(model: nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
     """Random token ids on which the stock model's routers decide every top-k choice by at least MIN_ROUTER_GAP."""
-    for _ in range(100):
-        ids = torch.randint(0, VOCAB, shape)
-        if min_router_gap(model, ids) >= MIN_ROUTER_GAP:
-            return ids
-    raise AssertionError(f"100 token draws all had a router near-tie below {MIN_ROUTER_GAP}: degenerate router weights")
+    top_k = getattr(model.config, "num_experts_per_tok", None) or 1
+    return draw_without_router_near_tie(lambda: torch.randint(0, VOCAB, shape),
+                                        lambda ids: _stock_router_logits(model, ids), top_k)
 
 
 def run(model: nn.Module, ids: torch.Tensor):

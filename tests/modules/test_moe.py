@@ -11,7 +11,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from ds_loongforge.modules.moe import ExpertMaskedMoE
 from ds_loongforge.ops.numerics import relative_l2_error
-from tests._params import IMPLS
+from tests._params import IMPLS, draw_without_router_near_tie
 
 SHAPES = [
     pytest.param(16, 32, 4, 2, id="E4k2"),
@@ -34,28 +34,14 @@ def _pair(hidden, inter, experts, k, dtype, device):
     return hf, ours
 
 
-# Our fused top-k and transformers' router (torch.softmax, then torch.topk of the fp32 probabilities) may order two
-# experts otherwise where their logits lie within about an ulp of the probabilities apart: measured on the CPU with
-# the k-th and (k+1)-th logits set a uniform gap apart, the choices differ with a probability that integrates to 4e-8
-# (E16k4) to 5e-8 (E4k2) over the gap in logit units, and never at a gap of 1e-6 or more (0 of 1M tokens). With
-# logits of std ~1 the gap's density at 0 is 1.3 (E4k2), 2.3 (E8k2), 4.8 (E16k4) per token, so over 111 tokens a
-# changed expert (far beyond any tolerance) came in 7e-6 to 2e-5 of the runs per shape, 4.5e-5 per CI run over the
-# four. Inputs are redrawn where a gap is below MIN_ROUTER_GAP (ten times the 1e-6 past which none flipped; 0.5% of the
-# draws at E16k4), so every choice compared is decided by a margin.
-MIN_ROUTER_GAP = 1e-5
-
-
+# Router near-ties (tests/_params.MIN_ROUTER_GAP): with logits of std ~1 the gap's density at 0 is 1.3 (E4k2), 2.3
+# (E8k2), 4.8 (E16k4) per token, so over 111 tokens a changed expert came in 7e-6 to 2e-5 of the runs per shape,
+# 4.5e-5 per CI run over the four, before inputs were redrawn (0.5% of the draws at E16k4).
 def _randn_without_router_near_tie(shape, gate_weight, k, **kwargs):
-    """torch.randn(shape) whose rows' router logits (fp64) have a gap of at least MIN_ROUTER_GAP after the k-th."""
-    for _ in range(100):
-        x = torch.randn(shape, **kwargs)
-        if k == gate_weight.shape[0]:
-            return x
-        logits = x.reshape(-1, shape[-1]).double().cpu() @ gate_weight.detach().double().cpu().t()
-        top = logits.sort(-1, descending=True).values
-        if top.numel() == 0 or float((top[:, k - 1] - top[:, k]).min()) >= MIN_ROUTER_GAP:
-            return x
-    raise AssertionError(f"100 draws all had a router near-tie below {MIN_ROUTER_GAP}: degenerate router weights")
+    """torch.randn(shape) whose rows' router logits have no top-k gap below MIN_ROUTER_GAP."""
+    return draw_without_router_near_tie(
+        lambda: torch.randn(shape, **kwargs),
+        lambda x: [x.reshape(-1, shape[-1]).double().cpu() @ gate_weight.detach().double().cpu().t()], k)
 
 
 def _run(module, x, dy):
