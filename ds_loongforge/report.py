@@ -130,8 +130,9 @@ def verify(rows: list[OpRow]) -> bool:
     ok = True
     print("verify: max error / tolerance (pass when error <= tolerance), fwd and every grad, fp64 reference")
     to_build = []
+    by_name = {r.name: r for r in rows}
     for builder in all_builders():
-        row = _row(rows, builder.NAME)
+        row = by_name[builder.NAME]
         if not row.compatible:
             print(f"  {builder.NAME:<24} not built: {row.problem}")
         elif builder.is_cuda_op and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
@@ -139,11 +140,10 @@ def verify(rows: list[OpRow]) -> bool:
                   "to compile-check it here")
         else:
             to_build.append(builder)
-    cold = [b.NAME for b in to_build if not (_row(rows, b.NAME).prebuilt or _row(rows, b.NAME).jit_cached)]
+    cold = [b for b in to_build if not (by_name[b.NAME].prebuilt or by_name[b.NAME].jit_cached)]
     if cold:  # a cold build of the CUDA ops takes minutes on a small machine: say so before it starts
-        slow = any(b.is_cuda_op for b in to_build if b.NAME in cold)
-        print(f"  compiling {len(cold)} ops not built yet ({', '.join(cold)})"
-              + (": a cold CUDA build takes minutes" if slow else ""), flush=True)
+        print(f"  compiling {len(cold)} ops not built yet ({', '.join(b.NAME for b in cold)})"
+              + (": a cold CUDA build takes minutes" if any(b.is_cuda_op for b in cold) else ""), flush=True)
     start = time.monotonic()
     built = build_ops(to_build)
     if cold:
@@ -163,10 +163,6 @@ def verify(rows: list[OpRow]) -> bool:
     ok = _run_checks(numerics.integration_checks("cuda" if torch.cuda.is_available() else "cpu")) and ok
     print("verify:", "PASSED" if ok else "FAILED")
     return ok
-
-
-def _row(rows: list[OpRow], name: str) -> OpRow:
-    return next(r for r in rows if r.name == name)
 
 
 def _run_checks(checks) -> bool:
