@@ -392,7 +392,15 @@ def _device_loss_scaler(zero):
 
 def _count_skips_on_engine(engine, optimizer: FusedAdamWClip) -> None:
     """``engine.skipped_steps`` = the optimizer's device count of skipped steps (plus what a loaded
-    checkpoint recorded): DeepSpeed counts only host-reported overflows, which this optimizer never reports."""
+    checkpoint recorded): DeepSpeed counts only host-reported overflows, which this optimizer never reports.
+
+    And the LR schedule of a skipped step. DeepSpeed steps its ``lr_scheduler`` only after a step that was not
+    skipped; the skip is decided on the device here, so the engine steps the schedule every time and the
+    decision is read one step later, before the next update takes its lr (by then the device is long past
+    it: no wait in practice): when the previous step was skipped, the schedule and the param groups'
+    hyper-parameters go back to where they were before it (:class:`_ScheduleRollback`). Every update thus uses
+    DeepSpeed's lr, and a checkpoint saved after a skipped step holds DeepSpeed's schedule. Between a skipped
+    step and the next one, ``get_lr()`` shows the lr one schedule step ahead."""
     base = type(engine)
     if getattr(base, "_loongforge_skips", False):
         return
@@ -403,10 +411,84 @@ def _count_skips_on_engine(engine, optimizer: FusedAdamWClip) -> None:
     def set_(self, value: int) -> None:  # DeepSpeed's __init__ (0) and load_checkpoint
         self.__dict__["_lf_skip_offset"] = int(value) - self.basic_optimizer.skipped_steps
 
+    def _take_model_step(self, lr_kwargs):
+        rollback = _ScheduleRollback.of(self)
+        rollback.settle()
+        rollback.before_step()
+        base._take_model_step(self, lr_kwargs)
+        rollback.after_step()
+
+    def save_checkpoint(self, *args, **kwargs):
+        _ScheduleRollback.of(self).settle()
+        return base.save_checkpoint(self, *args, **kwargs)
+
     offset = engine.__dict__.pop("skipped_steps", 0)
     engine.__class__ = type(base.__name__, (base,), {"skipped_steps": property(get, set_), "_loongforge_skips": True,
+                                                     "_take_model_step": _take_model_step,
+                                                     "save_checkpoint": save_checkpoint,
                                                      "__module__": base.__module__})
     engine.__dict__["_lf_skip_offset"] = int(offset)
+
+
+class _ScheduleRollback:
+    """The engine's LR schedule before its last step, kept until that step's skip flag is known (see
+    :func:`_count_skips_on_engine`). The flag is copied to pinned host memory behind the step and read at the
+    next step through an event: no host sync unless the host is a whole step ahead of the device."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.saved: tuple[dict, list[dict]] | None = None
+        self.flag: torch.Tensor | None = None
+        self.event = None
+
+    @classmethod
+    def of(cls, engine) -> "_ScheduleRollback":
+        rollback = engine.__dict__.get("_lf_schedule_rollback")
+        if rollback is None:
+            rollback = engine.__dict__["_lf_schedule_rollback"] = cls(engine)
+        return rollback
+
+    def _groups(self) -> list[dict]:
+        scheduler = self.engine.lr_scheduler
+        return getattr(scheduler, "optimizer", self.engine.basic_optimizer).param_groups
+
+    def before_step(self) -> None:
+        scheduler = self.engine.lr_scheduler
+        if scheduler is None or not callable(getattr(scheduler, "state_dict", None)):
+            self.saved = None  # nothing to roll back (a scheduler without state_dict cannot be checkpointed)
+            return
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self._groups()]
+        self.saved = (copy.deepcopy(scheduler.state_dict()), groups)
+
+    def after_step(self) -> None:
+        skipped = self.engine.basic_optimizer.last_skipped
+        if self.saved is None or skipped is None:  # no schedule, or no gradient at all: nothing was skipped
+            self.saved = None
+            return
+        if skipped.device.type == "cpu":
+            self.flag, self.event = skipped, None
+            return
+        if self.flag is None or self.flag.device.type == "cpu":
+            self.flag = torch.empty((), dtype=skipped.dtype, pin_memory=True)
+        self.flag.copy_(skipped, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def settle(self) -> None:
+        """Roll the schedule back if the last step was skipped; then nothing is pending."""
+        saved, self.saved = self.saved, None
+        if saved is None or self.flag is None:
+            return
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()
+        if not int(self.flag):
+            return
+        state, groups = saved
+        self.engine.lr_scheduler.load_state_dict(state)
+        for group, hyper in zip(self._groups(), groups):
+            group.update(hyper)
+        logger.info("optimizer step %d was skipped (a non-finite gradient): its LR schedule step is undone",
+                    self.engine.global_steps)
 
 
 def _world_all_reduce(stats: torch.Tensor) -> None:

@@ -60,6 +60,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.last_stats: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
+        self.last_skipped: torch.Tensor | None = None  # device int64: 1 if the last step was skipped, else 0
         self._buckets: dict[tuple, AdamWBucket] = {}
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_norm=max_norm)
         super().__init__(params, defaults)
@@ -137,6 +138,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
         """The two passes over prepared buckets, each with its group's hyper-parameters: what ``step`` does
         after gathering the grads. DeepSpeed's ZeRO glue calls it with buckets over its flat partitions."""
         all_buckets = [b for _, buckets in per_group for b in buckets]
+        self.last_skipped = None
         if not all_buckets:
             return
         stats = grad_stats(all_buckets, new_stats(all_buckets[0].device), impl=self.impl)
@@ -150,6 +152,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
         self.last_grad_norm = grad_norm(stats, inv_scale)
         skipped = (stats[1] != 0).to(torch.int64)
         self._skipped = skipped if self._skipped is None else self._skipped + skipped
+        self.last_skipped = skipped
         for bucket in all_buckets:  # the cached buckets must not keep this step's gradients alive: under ZeRO
             bucket.grads = []       # that was a whole flat gradient partition held until the next step
             shared = bucket.shared_step
@@ -209,7 +212,8 @@ class FusedAdamWClip(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Like torch's, except that every state tensor keeps its saved dtype (torch would cast the fp32
-        moments and masters of bf16 params to bf16) and lands on its param's device."""
+        moments and masters of bf16 params to bf16) and lands on its param's device, and that the saved
+        hyper-parameters are loaded into the param group dicts already here (which others may hold)."""
         groups = self.param_groups
         saved_groups = deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
@@ -229,10 +233,10 @@ class FusedAdamWClip(torch.optim.Optimizer):
                         for name, v in value.items()}
             if "step" in state[p]:
                 state[p]["step"] = state[p]["step"].to(torch.float32).reshape(())
-        new_groups = []
-        for g, sg in zip(groups, saved_groups):
-            sg["params"] = g["params"]
-            sg["betas"] = tuple(sg["betas"])
-            new_groups.append(sg)
-        self.__setstate__({"state": state, "param_groups": new_groups})
+        for g, sg in zip(groups, saved_groups):  # into the same dicts: torch would put new ones in their place,
+            sg["params"] = g["params"]           # and an LR scheduler built on a client optimizer whose groups
+            sg["betas"] = tuple(sg["betas"])     # these are (ds_integration._client_adamw_groups) would go on
+            g.clear()                            # setting an lr nobody reads
+            g.update(sg)
+        self.__setstate__({"state": state, "param_groups": groups})
         self._buckets.clear()

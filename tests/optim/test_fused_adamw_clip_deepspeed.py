@@ -374,3 +374,89 @@ def test_gradients_in_place_in_one_process_are_bitwise_deepspeeds_copies(tmp_pat
                 assert torch.equal(a, b), (run, step)
         first, last = fast["params"][0], fast["params"][-1]
         assert any(not torch.equal(a, b) for a, b in zip(first, last)), "the parameters must move"
+
+
+# (ZeRO stage, bf16, where the schedule comes from): DeepSpeed's WarmupLR from the config, or a torch LambdaLR on
+# a client AdamW that FusedAdamWClip stands in for (the HF Trainer's way)
+SCHEDULE_RUNS = [(2, False, "config"), (1, True, "client"), (0, False, "config")]
+SCHEDULE_SAVE_AFTER = NAN_STEP  # a checkpoint right after the skipped step
+
+
+def _scheduled_engine(stage: int, bf16: bool, source: str, seed: int):
+    from ds_loongforge.optim import initialize
+
+    model = _model(seed)
+    config = _config(stage, by_block=True, bf16=bf16)
+    if source == "config":
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                              "warmup_num_steps": 2 * STEPS, "warmup_type": "linear"}}
+        engine, *_ = initialize(model=model, model_parameters=_groups(model), config=config)
+    else:
+        del config["optimizer"]
+        client = torch.optim.AdamW(_groups(model), lr=LR, betas=(0.9, 0.95), eps=EPS)
+        schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: (step + 1) / (2 * STEPS))
+        engine, *_ = initialize(model=model, optimizer=client, lr_scheduler=schedule, config=config)
+    assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.lr_scheduler is not None
+    return model, engine
+
+
+def _schedule_worker(rank, world, port, seed, out_dir):
+    """Each run twice: on every batch, with the nan step in the middle, and on the batches without that step;
+    the lr of every update, the parameters after each step and the schedule's state at the end."""
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    batches = [(x[0], target[0]) for x, target in _batches(1, seed)]
+    clean = batches[:NAN_STEP] + batches[NAN_STEP + 1:]
+    results = {}
+    for run in SCHEDULE_RUNS:
+        cast = torch.bfloat16 if run[1] else torch.float32
+        for name, data in (("with_nan", batches), ("clean", clean)):
+            model, engine = _scheduled_engine(*run, seed)
+            lrs, params = [], []
+            for step, (x, target) in enumerate(data):
+                engine.backward(_loss(engine, x.to(cast), target.to(cast)))
+                lrs.append([group["lr"] for group in engine.basic_optimizer.param_groups])  # what the update takes
+                engine.step()
+                params.append([p.detach().float().clone() for p in model.parameters()])
+                if name == "with_nan" and step == SCHEDULE_SAVE_AFTER:
+                    engine.save_checkpoint(f"{out_dir}/sched_{run[0]}", tag="t")
+            results[run, name] = {"lrs": lrs, "params": params, "skipped": engine.skipped_steps,
+                                  "schedule": engine.lr_scheduler.state_dict()}
+        # resumed from the checkpoint taken right after the skipped step: the rest of the run, as uninterrupted
+        model, engine = _scheduled_engine(*run, seed + 99)
+        engine.load_checkpoint(f"{out_dir}/sched_{run[0]}", tag="t")
+        results[run, "resumed_schedule"] = engine.lr_scheduler.state_dict()
+        for x, target in batches[SCHEDULE_SAVE_AFTER + 1:]:
+            engine.backward(_loss(engine, x.to(cast), target.to(cast)))
+            engine.step()
+        results[run, "resumed"] = [p.detach().float().clone() for p in model.parameters()]
+    torch.save(results, f"{out_dir}/schedule.pt")
+
+
+@pytest.mark.slow
+def test_a_skipped_step_does_not_advance_the_lr_schedule(tmp_path):
+    """DeepSpeed steps the LR schedule only after a step it did not skip. FusedAdamWClip decides the skip on the
+    device, so the schedule step of a skipped step is undone before the next update: a run with a nan step in
+    the middle takes every later update with the lr, and ends with the parameters and the schedule, of the run
+    without that step, bit for bit; a checkpoint saved right after the skipped step holds that schedule too."""
+    _spawn(_schedule_worker, 1, int(torch.randint(0, 2**31, ())), str(tmp_path))
+    results = torch.load(tmp_path / "schedule.pt", weights_only=False)
+    for run in SCHEDULE_RUNS:
+        nan, clean = results[run, "with_nan"], results[run, "clean"]
+        assert nan["skipped"] == 1 and clean["skipped"] == 0, run
+        # (WarmupLR gives its first lr twice: at construction and at its first step, iteration 0)
+        assert len({lr[0] for lr in clean["lrs"][1:]}) == STEPS - 2, "the schedule must move at every later step"
+        kept = [step for step in range(STEPS) if step != NAN_STEP]
+        assert [nan["lrs"][step] for step in kept] == clean["lrs"], run
+        for a, b in zip(nan["params"][NAN_STEP - 1], nan["params"][NAN_STEP]):
+            assert torch.equal(a, b), f"{run}: the nan step changed a parameter"
+        for step, clean_step in zip(kept, range(STEPS - 1)):
+            for a, b in zip(nan["params"][step], clean["params"][clean_step]):
+                assert torch.equal(a, b), (run, step)
+        assert nan["schedule"] == clean["schedule"], run
+        assert results[run, "resumed"] is not None
+        for a, b in zip(results[run, "resumed"], clean["params"][-1]):
+            assert torch.equal(a, b), f"{run}: resumed after the skipped step"
