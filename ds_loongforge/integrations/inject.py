@@ -133,7 +133,17 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
     """Replace, in place, the modules of ``model`` that the config switches on; returns what was done.
 
     ``config``: a LoongForgeConfig, a DeepSpeed config dict holding a ``"loongforge"`` block, or the block.
+
+    torch's random generators are left where they were: the replacements are built with random initial weights
+    and then take the model's, and those draws must not shift a script's later ones (its data order, dropout)
+    away from the stock run's.
     """
+    cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        return _inject(model, config)
+
+
+def _inject(model: nn.Module, config) -> InjectionReport:
     from ds_loongforge.integrations.presets import PRESETS
 
     config = _as_config(config)

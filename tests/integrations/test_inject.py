@@ -294,6 +294,18 @@ def test_disabled_changes_nothing(config):
     assert "nothing replaced" in report.summary()
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_inject_leaves_the_random_generators_where_they_were(family):
+    """The replacements are built with random weights and then take the model's: a script's draws after inject
+    (data order, dropout) must be the stock run's."""
+    model = build(family)
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    state = torch.get_rng_state()
+    report = inject(model, ENABLED)
+    assert report.total_replaced > 0
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_switches_off_are_reported():
     model = build("qwen2_moe")
     report = inject(model, {"enabled": True, "fused_kernels": {"rmsnorm": False, "swiglu": False, "qkv": False},
