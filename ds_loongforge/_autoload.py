@@ -5,7 +5,9 @@ It only adds a finder to ``sys.meta_path``, which costs one string comparison pe
 no torch, no DeepSpeed, nothing else of ds_loongforge is imported here. When a script imports ``deepspeed``,
 the finder lets the real loader run and then makes ``deepspeed.initialize`` apply the config's
 ``"loongforge"`` block (``ds_loongforge.integrations.deepspeed_hook``); a config without the block, or with
-``"enabled": false``, gets stock ``deepspeed.initialize``. ``LOONGFORGE_DISABLE=1`` leaves DeepSpeed untouched.
+``"enabled": false``, gets stock ``deepspeed.initialize``. ``LOONGFORGE_DISABLE=1`` leaves DeepSpeed stock: its
+``initialize`` then only warns, once, when a config asks for LoongForge (``"loongforge": {"enabled": true}``)
+that the block is ignored, reading nothing of ds_loongforge.
 
 Nothing here may raise: a broken hook must not stop Python from starting. A failure to install the wrapper
 when ``deepspeed`` is imported is reported as a warning and DeepSpeed stays stock.
@@ -26,7 +28,7 @@ class DeepSpeedImportHook:
     ``exec_module`` so that ``deepspeed.initialize`` is wrapped once the package has executed."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _TARGET or _disabled():
+        if fullname != _TARGET:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -50,6 +52,9 @@ class DeepSpeedImportHook:
 
 
 def _wrap(deepspeed_module) -> None:
+    if _disabled():
+        _note_opt_out(deepspeed_module)
+        return
     try:
         from ds_loongforge.integrations.deepspeed_hook import install
     except ImportError as err:
@@ -61,10 +66,62 @@ def _wrap(deepspeed_module) -> None:
     install(deepspeed_module)
 
 
+def _note_opt_out(deepspeed_module) -> None:
+    """``deepspeed.initialize`` stays DeepSpeed's; a call whose config enables the loongforge block gets one warning
+    saying that the block is ignored (nothing else: the opt-out must work even where ds_loongforge is broken)."""
+    original = deepspeed_module.initialize
+    if getattr(original, "__loongforge_opt_out__", False):
+        return
+
+    def initialize(*args, **kwargs):
+        warn_opt_out(args, kwargs)
+        return original(*args, **kwargs)
+
+    initialize.__loongforge_opt_out__ = True
+    initialize.__wrapped__ = original
+    initialize.__doc__ = original.__doc__
+    deepspeed_module.initialize = initialize
+
+
+_opt_out_warned = False
+
+
+def warn_opt_out(args: tuple, kwargs: dict) -> None:
+    """Once per process: the warning that LOONGFORGE_DISABLE overrides a config that enables the block."""
+    global _opt_out_warned
+    if _opt_out_warned:
+        return
+    try:
+        asks = _asks_for_loongforge(args, kwargs)
+    except Exception:  # noqa: BLE001  (a note must never break the call)
+        asks = False
+    if asks:
+        import logging
+
+        _opt_out_warned = True
+        logging.getLogger("ds_loongforge").warning(
+            "[LoongForge] LOONGFORGE_DISABLE=%s: the config's \"loongforge\" block is ignored, deepspeed.initialize "
+            "runs stock", os.environ.get("LOONGFORGE_DISABLE"))
+
+
+def _asks_for_loongforge(args: tuple, kwargs: dict) -> bool:
+    """Whether the config that deepspeed.initialize will read (``config``, ``config_params`` or
+    ``args.deepspeed_config``; a dict or a JSON file) holds ``"loongforge": {"enabled": true}``."""
+    config = kwargs.get("config", kwargs.get("config_params"))
+    cli_args = kwargs.get("args", args[0] if args else None)
+    if config is None and cli_args is not None:
+        config = getattr(cli_args, "deepspeed_config", None) or getattr(cli_args, "deepscale_config", None)
+    if isinstance(config, (str, os.PathLike)):
+        import json
+
+        with open(config) as f:
+            config = json.load(f)
+    block = config.get("loongforge") if isinstance(config, dict) else None
+    return isinstance(block, dict) and block.get("enabled") is True
+
+
 def install_hook() -> None:
     """Add the finder (once); wrap ``deepspeed.initialize`` at once when DeepSpeed is already imported."""
-    if _disabled():
-        return
     if _TARGET in sys.modules:
         _wrap(sys.modules[_TARGET])
         return

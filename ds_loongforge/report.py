@@ -1,6 +1,6 @@
 """``loongforge_report [--verify]``: what ds_report is for DeepSpeed, for the ds_loongforge ops.
 
-One row per op (compatible, prebuilt, JIT-cached) and the versions that decide whether ops build:
+One row per op (compatible, runs here, prebuilt, JIT-cached) and the versions that decide whether ops build:
 torch, its CUDA, nvcc, NCCL, DeepSpeed, transformers, liger-kernel (whose RoPE ``fused_kernels.rope`` uses),
 and the GPU architecture. ``--verify`` builds every compatible op, checks forward and backward against the fp64
 reference on random data, prints the max error against its tolerance, and exits 1 on any failure; then the same
@@ -91,6 +91,11 @@ class OpRow:
     prebuilt: bool
     jit_cached: bool
 
+    @property
+    def runs_here(self) -> bool:
+        """Compatible, and for a CUDA op a CUDA device visible: a CUDA op built here without one only compiles."""
+        return self.compatible and (self.device != "cuda" or torch.cuda.is_available())
+
 
 def op_rows() -> list[OpRow]:
     rows = []
@@ -114,11 +119,14 @@ def print_report(rows: list[OpRow], env: dict[str, str]) -> None:
     print("-" * 78)
     print("ds_loongforge op report")
     print("-" * 78)
-    print(f"{'op name':<{width}}{'device':<8}{'compatible':<12}{'prebuilt':<10}{'JIT-cached':<10}")
+    print(f"{'op name':<{width}}{'device':<8}{'compatible':<12}{'runs here':<11}{'prebuilt':<10}{'JIT-cached':<10}")
     for r in rows:
-        print(f"{r.name:<{width}}{r.device:<8}{_yes(r.compatible):<12}{_yes(r.prebuilt):<10}{_yes(r.jit_cached):<10}")
+        print(f"{r.name:<{width}}{r.device:<8}{_yes(r.compatible):<12}{_yes(r.runs_here):<11}{_yes(r.prebuilt):<10}"
+              f"{_yes(r.jit_cached):<10}")
         if r.problem:
             print(f"{'':<{width}}  why not: {r.problem}")
+    if any(r.compatible and not r.runs_here for r in rows):
+        print("runs here: no CUDA device is visible, so the compatible CUDA ops compile here but run on a GPU machine")
     print("-" * 78)
     for key, value in env.items():
         print(f"{key + ':':<24}{value}")

@@ -181,6 +181,12 @@ def load_ds_config(path: str, use_loongforge: bool | None, autoep: bool = False)
         config["expert_parallel"] = {**(config.get("expert_parallel") or {}), **AUTOEP_BLOCK}
     block = dict(config.get("loongforge") or {})
     enabled = bool(block.get("enabled", False)) if use_loongforge is None else use_loongforge
+    from ds_loongforge.integrations.deepspeed_hook import ENV_DISABLE, disabled_by_env
+
+    if enabled and disabled_by_env():  # the opt-out holds here as in any DeepSpeed script: a stock run
+        logger.warning("%s=%s: LoongForge is off for this run (stock variant), whatever the config and flags say",
+                       ENV_DISABLE, os.environ.get(ENV_DISABLE))
+        enabled = False
     block["enabled"] = enabled
     config["loongforge"] = block
     optimizer = config.get("optimizer") or {}
@@ -802,7 +808,7 @@ def main(argv=None) -> dict:
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
         "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.basic_optimizer).__name__,
         "routing": routing_summary(layers), "profile": profile,
-        "variant": variant, "data": args.data, "device": device.type, "experts_implementation": experts_impl,
+        "variant": variant, "data": args.data, "dataset": args.dataset, "device": device.type, "experts_implementation": experts_impl,
         "vocab_size": model_vocab, "active_params_per_token": active_params, "model_flops_per_token": flops_per_token,
         "peak_flops": args.peak_flops if cuda else None, "timing": args.timing, **timing,
         "peak_memory_gib": (max(peak_first_step, peak_after_first or 0) / 2**30) if peak_first_step is not None

@@ -60,6 +60,15 @@ def test_report_lists_every_op_and_versions():
         assert name in out.stdout
     for key in ("torch:", "torch CUDA:", "nvcc:", "NCCL:", "DeepSpeed:", "transformers:", "liger-kernel:", "GPU:"):
         assert key in out.stdout
+    # a CUDA op is compatible where it compiles; whether it can run here is its own column (a user read "compatible
+    # yes" on a machine without a GPU as "works here")
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith("lf_")}
+    import torch
+
+    assert rows["lf_fused_rmsnorm_cpu"][1:4] == ["cpu", "yes", "yes"]
+    if not torch.cuda.is_available():
+        assert rows["lf_fused_rmsnorm"][1] == "cuda" and rows["lf_fused_rmsnorm"][3] == "no"
+        assert "runs here: no CUDA device is visible, so the compatible CUDA ops compile here" in out.stdout
 
 
 def test_report_shows_the_extensions_dir_the_builders_use(tmp_path):

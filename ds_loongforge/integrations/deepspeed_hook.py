@@ -75,7 +75,12 @@ def initialize(*args, **kwargs):
 
 
 def _initialize(original, args: tuple, kwargs: dict):
-    if getattr(_reentry, "active", False) or disabled_by_env():
+    if getattr(_reentry, "active", False):
+        return original(*args, **kwargs)
+    if disabled_by_env():  # stock, with one warning when the config asks for LoongForge
+        from ds_loongforge._autoload import warn_opt_out
+
+        warn_opt_out(args, kwargs)
         return original(*args, **kwargs)
     bound = inspect.signature(original).bind(*args, **kwargs)
     call = dict(bound.arguments)
@@ -126,6 +131,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         raise ValueError("ds_loongforge.initialize: the model was built under deepspeed.zero.Init (ZeRO-3), so its "
                          "parameters are already partitioned and cannot be copied into LoongForge modules; build "
                          "the model without zero.Init, or set \"loongforge\": {\"enabled\": false}")
+    _check_optimizer_fits_zero(ds_config)
     apply_op_settings(config)
     if config.moe.ep_size > 1:
         _init_distributed(call, config.moe.ep_size)
@@ -182,9 +188,32 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         logger.info("[LoongForge] training data: ExpertAwareSampler (%d batches per epoch on this rank)", len(loader))
     elif training_data is not None:
         logger.info("[LoongForge] training data: DeepSpeed's loader (sampler.expert_aware is false)")
+    elif config.sampler.expert_aware:
+        logger.info("[LoongForge] sampler: not applied (no training_data was passed to deepspeed.initialize: the "
+                    "script loads its own batches, as the HF Trainer and accelerate do); "
+                    "ds_loongforge.data.build_dataloader(dataset, config, model, batch_size) builds a loader with "
+                    "the ExpertAwareSampler")
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
     return engine, optimizer, loader, scheduler
+
+
+def _check_optimizer_fits_zero(ds_config: dict) -> None:
+    """FusedAdamWClip runs under ZeRO 0/1/2 without offload: say so before anything is built or replaced."""
+    from ds_loongforge.optim import uses_fused_adamw_clip
+
+    if not uses_fused_adamw_clip(ds_config):
+        return
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    problem = (f'"zero_optimization": {{"stage": {stage}}}' if stage == 3 else
+               f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else None)
+    if problem is not None:
+        raise ValueError(f"FusedAdamWClip (selected by the config) runs under ZeRO stages 0-2 without optimizer "
+                         f"offload; the config has {problem}. Set \"loongforge\": {{\"optimizer\": "
+                         "{\"fused_adamw_clip\": false}} (and an \"optimizer\" type other than LoongForgeAdamW) "
+                         "to keep DeepSpeed's optimizer, or use ZeRO stage 2 without offload")
 
 
 def _init_distributed(call: dict, ep_size: int) -> None:

@@ -462,6 +462,10 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
         raise ValueError(f"inject: moe.ep_size={ep_size} needs torch.distributed initialised before inject, to know "
                          "which experts this rank holds: call deepspeed.init_distributed() first (deepspeed."
                          "initialize with the loongforge block does it itself)")
+    if ep_size > 1 and dist.get_world_size() % ep_size:
+        raise ValueError(f"inject: moe.ep_size={ep_size} does not divide the world size {dist.get_world_size()}; "
+                         "set loongforge.moe.ep_size to a divisor of both the world size and the number of experts "
+                         "(1: no expert parallelism)")
 
     kwargs = dict(config.moe.layer_kwargs())
     if spec.router == "transformers":

@@ -329,6 +329,19 @@ def test_expert_parallel_that_cannot_apply_is_an_error():
         inject(build("mixtral"), {"enabled": True, "moe": {"ep_size": 2}})
     with pytest.raises(ValueError, match=r"moe\.ep_size=3 does not divide the 4 experts of MixtralSparseMoeBlock"):
         inject(build("mixtral"), {"enabled": True, "moe": {"ep_size": 3}})
+    # an ep_size that divides the experts but not the world: said before any expert-parallel layer is built
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build("mixtral")
+        with pytest.raises(ValueError, match=r"moe\.ep_size=2 does not divide the world size 1; set "
+                                             r"loongforge\.moe\.ep_size to a divisor"):
+            inject(model, {"enabled": True, "moe": {"ep_size": 2}})
+        assert not any(isinstance(m, ExpertMaskedMoE) for m in model.modules())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_unsupported_model_is_reported_not_raised(caplog):

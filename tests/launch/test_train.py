@@ -11,6 +11,7 @@ Sizes are cut (sequences of 64 tokens, a few steps) so the file runs in about 2 
 """
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -208,6 +209,21 @@ def test_loongforge_flags(tmp_path, flag, expected):
     ds_config, enabled = train.load_ds_config(str(config), flag)
     assert enabled is expected and ds_config["loongforge"]["enabled"] is expected
     assert ds_config["optimizer"]["type"] == ("LoongForgeAdamW" if expected else "AdamW")  # stock = stock optimizer
+
+
+@pytest.mark.parametrize("flag", [None, True])
+def test_env_opt_out_runs_the_stock_variant(tmp_path, monkeypatch, caplog, flag):
+    """LOONGFORGE_DISABLE opts out here as in any DeepSpeed script (a user found train.py injecting anyway and
+    reporting the run as the loongforge variant)."""
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": 1e-3}},
+                                  "loongforge": {"enabled": True}}))
+    monkeypatch.setenv("LOONGFORGE_DISABLE", "1")
+    with caplog.at_level(logging.WARNING, logger="ds_loongforge.train"):
+        ds_config, enabled = train.load_ds_config(str(config), flag)
+    assert enabled is False and ds_config["loongforge"]["enabled"] is False
+    assert ds_config["optimizer"]["type"] == "AdamW" and train.variant_name(ds_config, enabled) != "loongforge"
+    assert "LOONGFORGE_DISABLE=1: LoongForge is off for this run" in caplog.text
 
 
 def test_bad_config_block_names_the_key(tmp_path):

@@ -220,6 +220,25 @@ def test_config_errors_name_the_value():
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": -1}}})
 
 
+@pytest.mark.parametrize("zero, problem", [
+    ({"stage": 3}, r'"zero_optimization": \{"stage": 3\}'),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, r'"offload_optimizer": \{"device": "cpu"\}')])
+def test_a_zero_setup_it_cannot_run_is_refused_before_anything_is_built(zero, problem):
+    """ZeRO-3 and optimizer offload with fused_adamw_clip: an error naming the setting and the fix, before inject
+    or DeepSpeed touch the model (a user found it raised only after DeepSpeed had built the whole engine)."""
+    import ds_loongforge
+
+    model = _model(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": zero,
+              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
+    with pytest.raises(ValueError, match=r"FusedAdamWClip \(selected by the config\) runs under ZeRO stages 0-2 "
+                                         r"without optimizer offload; the config has " + problem +
+                                         r'.*"fused_adamw_clip": false'):
+        ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_client_adamw_stands_in_on_its_own_groups():
     """A script's (the HF Trainer's) AdamW under a config that selects FusedAdamWClip without an "optimizer"
     block: FusedAdamWClip is built on the client's own group dicts (hyperparameters per group; an LR scheduler
