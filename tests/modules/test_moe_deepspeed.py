@@ -167,14 +167,20 @@ def _norm_worker(rank, world, port, runs, seed, out_dir, batch_world=None):
             assert [engine.optimizer.real_dp_process_group[i] for i in moe_groups] == [
                 groups._get_expert_data_parallel_group(group_name)]
         norms, params = [], []
+        routing = []   # each step's top-k expert ids of this rank's tokens, sorted per token
+        net.moe.gate.register_forward_hook(lambda module, args, out: routing.append(out[3].detach().sort(-1).values))
         cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+        direct = []    # ZeRO-0: the norm of the gradients as backward left them (in one process: the global one)
         for x, target in batches:
             loss = engine(x[rank].to(cast), target[rank].to(cast))
             engine.backward(loss)
+            if stage == 0:
+                direct.append(float(torch.stack([p.grad.float().pow(2).sum() for p in net.parameters()
+                                                 if p.grad is not None]).sum().sqrt()))
             engine.step()
             norms.append(float(engine.get_global_grad_norm()))
             params.append({name: p.float() for name, p in _params(net).items()})
-        results[ep_size, stage, dtype] = {"norms": norms, "params": params}
+        results[ep_size, stage, dtype] = {"norms": norms, "params": params, "routing": routing, "direct": direct}
     torch.save(results, f"{out_dir}/norm{rank}.pt")
 
 
@@ -205,6 +211,13 @@ def _assert_rank_matches_reference(got: dict, want: dict, rank: int, ep_size: in
 # (seed 954112858: the third step's norm 3.8% off, the first two 0.17%). Without the expert gradients the norm of
 # DeepSpeed's unfused 16-bit path would be 15-20% low.
 TOLERANCES = {"fp32": (1e-5, {"rtol": 1e-5, "atol": 1e-6}), "bf16": (5e-3, {"rtol": 0.0, "atol": 1e-2})}
+# BF16_ROUTING: against its own bf16 engine in one process the same near-tie flips too: the two reduce the
+# gradients in another order, so after an update a bf16 weight may differ by an ulp and a token of a near-tie pick
+# another expert at step 2 or 3. Measured over 4000 seeds (the world-2 bf16 runs against one process): the first step
+# always routed alike; a later step routed otherwise in 14 seeds (0.35%), its norm then off by 0.27% to 1.5%, past
+# 5e-3 in 6 of them (1.5e-3 per run, 95% CI 5.5e-4 to 3.3e-3; 40686735: second step 1.5%). Steps routed alike: norm
+# off by at most 1.9e-3, parameters by at most 2e-3 (after a flip too). So the first step must route alike and be
+# within tolerance, a later step's norm is compared where every rank's tokens routed alike, the parameters always.
 
 
 @pytest.mark.parametrize("world,runs", [
@@ -226,18 +239,30 @@ def test_global_grad_norm_and_clipping_match_single_process(world, runs, tmp_pat
                world)
         single = torch.load(tmp_path / "single" / "norm0.pt")
         assert min(min(r["norms"]) for r in single.values()) > CLIP
-    for rank in range(world):
-        results = torch.load(tmp_path / f"norm{rank}.pt")
+        if 0 in bf16_stages:  # the reference itself: DeepSpeed's unfused bf16 norm covers every gradient, experts'
+            # too (the world-2 runs are compared with it, so a norm that left them out in both would pass there)
+            ref = single[1, 0, "bf16"]
+            assert ref["norms"] == pytest.approx(ref["direct"], rel=1e-4)
+    every = [torch.load(tmp_path / f"norm{rank}.pt") for rank in range(world)]
+    for rank, results in enumerate(every):
         assert list(results) == runs
         for (ep_size, stage, dtype), result in results.items():
             what = f"ep_size {ep_size}, ZeRO-{stage}, {dtype}"
             norm_rel, param_tol = TOLERANCES[dtype]
+            steps = list(range(STEPS))
             if dtype == "bf16":
                 ref = single[1, stage, "bf16"]
                 want_norms, want_params = ref["norms"], ref["params"]
+                # the norm is global: a step counts as routed alike where every rank's tokens are
+                alike = [all(torch.equal(every[r][ep_size, stage, dtype]["routing"][step],
+                                         ref["routing"][step][r * TOKENS:(r + 1) * TOKENS]) for r in range(world))
+                         for step in range(STEPS)]
+                assert alike[0], f"{what}: the first step routes otherwise than one process"
+                steps = [step for step in steps if alike[step]]   # see BF16_ROUTING above
             else:
                 want_norms, want_params = want["fp32"]
-            assert result["norms"] == pytest.approx(want_norms, rel=norm_rel), f"{what}, rank {rank}"
+            assert [result["norms"][step] for step in steps] == pytest.approx(
+                [want_norms[step] for step in steps], rel=norm_rel), f"{what}, rank {rank}, steps {steps}"
             for step, params in enumerate(result["params"]):
                 _assert_rank_matches_reference(params, want_params[step], rank, ep_size, f"{what}, step {step}",
                                                param_tol)
