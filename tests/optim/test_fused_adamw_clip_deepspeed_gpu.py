@@ -1,6 +1,7 @@
 """FusedAdamWClip inside DeepSpeed on one GPU (gpu marker): fp16 with the device-side dynamic loss scale
 (ZeRO-2, and ZeRO-0 which runs as ZeRO-1) against stock DeepSpeed fp16 (torch AdamW, its host loss scaler and
-clip) with a nan step in the middle, and no host synchronisation inside engine.step() (bf16 ZeRO-2 and fp16).
+clip) with a nan step in the middle, under an LR schedule that a skipped step must not advance, and no host
+synchronisation inside engine.step() (bf16 ZeRO-2 and fp16).
 DeepSpeed has no fp16 on the CPU accelerator here, so these run only on the GPU."""
 
 import logging
@@ -32,6 +33,9 @@ def _config(stage, precision, ours):
                             "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95]}}}
     if not ours:
         config["optimizer"]["params"]["torch_adam"] = True  # no FusedAdam JIT build in a test
+    # a schedule that moves every step: DeepSpeed steps it only after a step it did not skip
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                          "warmup_num_steps": 2 * STEPS, "warmup_type": "linear"}}
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3, "hysteresis": 1}
     else:
@@ -56,10 +60,11 @@ def _worker(rank, world, port, seed, out_dir):
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
                                 config=_config(stage, precision, ours))
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-        scales, syncs = [], []
+        scales, syncs, lrs = [], [], []
         for step, (x, y) in enumerate(data):
             loss = (engine(x.cuda().to(dtype)).float() - y.cuda()).pow(2).mean()
             engine.backward(loss)
+            lrs.append([group["lr"] for group in engine.basic_optimizer.param_groups])  # before the update
             if ours and step > 0:  # the first step builds the optimizer's tensor tables
                 torch.cuda.synchronize()
                 with warnings.catch_warnings(record=True) as caught:
@@ -79,6 +84,7 @@ def _worker(rank, world, port, seed, out_dir):
             if precision == "fp16":
                 assert isinstance(engine.optimizer.loss_scaler, DeviceLossScaler)
         results[(stage, precision, ours)] = {"scales": scales, "syncs": syncs, "skipped": engine.skipped_steps,
+                                             "lrs": lrs,
                                              "params": [p.detach().float().cpu() for p in model.parameters()]}
         del engine
     torch.save(results, f"{out_dir}/gpu.pt")
@@ -95,6 +101,9 @@ def test_fp16_device_loss_scale_and_no_host_sync_in_step(tmp_path):
         assert ours["scales"] == stock["scales"], (key, ours["scales"], stock["scales"])
         assert stock["scales"][NAN_STEP] == stock["scales"][NAN_STEP - 1] / 2
         assert ours["skipped"] == stock["skipped"] == 1
+        # the LR schedule of the skipped step is undone before the next update takes its lr: DeepSpeed's lrs
+        assert ours["lrs"] == stock["lrs"], (key, ours["lrs"], stock["lrs"])
+        assert stock["lrs"][NAN_STEP + 1] == stock["lrs"][NAN_STEP]
         diff = torch.cat([(a - b).flatten() for a, b in zip(ours["params"], stock["params"])])
         # fp16 params: both step fp32 masters; the updates agree to fp16 rounding
         assert (diff.abs() <= 2e-3).float().mean() >= 0.95, (key, diff.abs().max())
