@@ -468,7 +468,7 @@ class _ScheduleRollback:
         if skipped.device.type == "cpu":
             self.flag, self.event = skipped, None
             return
-        if self.flag is None or self.flag.device.type == "cpu":
+        if self.flag is None or not self.flag.is_pinned():  # one pinned flag, reused: settle() read it already
             self.flag = torch.empty((), dtype=skipped.dtype, pin_memory=True)
         self.flag.copy_(skipped, non_blocking=True)
         self.event = torch.cuda.Event()

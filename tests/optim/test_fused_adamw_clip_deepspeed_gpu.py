@@ -61,10 +61,15 @@ def _worker(rank, world, port, seed, out_dir):
                                 config=_config(stage, precision, ours))
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
         scales, syncs, lrs = [], [], []
+        if ours:  # the lr each update takes (a skipped step's schedule step is undone inside the next step())
+            from tests.optim.test_fused_adamw_clip_deepspeed import record_update_lrs
+
+            lrs = record_update_lrs(engine.basic_optimizer)
         for step, (x, y) in enumerate(data):
             loss = (engine(x.cuda().to(dtype)).float() - y.cuda()).pow(2).mean()
             engine.backward(loss)
-            lrs.append([group["lr"] for group in engine.basic_optimizer.param_groups])  # before the update
+            if not ours:  # DeepSpeed's step takes the lr the groups hold now
+                lrs.append([group["lr"] for group in engine.basic_optimizer.param_groups])
             if ours and step > 0:  # the first step builds the optimizer's tensor tables
                 torch.cuda.synchronize()
                 with warnings.catch_warnings(record=True) as caught:
