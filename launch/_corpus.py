@@ -84,8 +84,15 @@ def dataset_documents(name_or_path: str, column: str = "text", split: str = "tra
             raise ValueError(f"--dataset {name_or_path!r}: unknown file type {ext!r} "
                              f"(expected one of {sorted(_LOCAL_FORMATS)}, a save_to_disk folder or a hub name)")
         data = datasets.load_dataset(_LOCAL_FORMATS[ext], data_files=name_or_path, split=split)
+    elif (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))) and not os.path.exists(name_or_path):
+        raise FileNotFoundError(f"--dataset {name_or_path!r}: no such file or folder (a local file, a save_to_disk "
+                                "folder, a folder of data files, or a Hugging Face hub name)")
     else:
-        data = datasets.load_dataset(name_or_path, split=split)
+        try:
+            data = datasets.load_dataset(name_or_path, split=split)
+        except Exception as err:  # datasets' own errors do not say which option they came from
+            raise RuntimeError(f"--dataset {name_or_path!r}: the datasets library could not load it "
+                               f"({type(err).__name__}: {err})") from err
     if column not in data.column_names:
         raise ValueError(f"--dataset {name_or_path!r} has no text column {column!r} (columns: {data.column_names}); "
                          "choose one with --text-column")

@@ -803,7 +803,7 @@ def main(argv=None) -> dict:
         "tokens_per_s_after_first_step": steady_tokens / steady_seconds if steady_tokens else None,
         "loss_history": history, "tokens": tokens, "train_seconds": round(elapsed, 2),
         "total_seconds": round(time.perf_counter() - started, 2), "model": args.model, "params": num_params,
-        "loongforge": use_lf, "expert_aware_sampler": expert_aware, "moe_layers": len(layers),
+        "loongforge": use_lf, "expert_aware_sampler": expert_aware, "expert_masked_layers": len(layers),
         "fused_loss": fused_loss,
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
         "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.basic_optimizer).__name__,

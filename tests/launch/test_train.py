@@ -76,7 +76,7 @@ def test_loongforge_run_checkpoint_and_exact_resume(tmp_path):
     full = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "6", "--save-dir", str(ckpt),
                   "--save-every", "2")
     _assert_finite(full)
-    assert full["loongforge"] and full["moe_layers"] == 2 and full["expert_aware_sampler"], full
+    assert full["loongforge"] and full["expert_masked_layers"] == 2 and full["expert_aware_sampler"], full
     assert full["steps"] == 6 and [s for s, _ in full["loss_history"]] == [2, 4, 6]
     assert full["loss_history"][-1][1] < full["loss_history"][0][1], full["loss_history"]  # it learns
     assert "[LoongForge]" in full["_log"] and "ExpertMaskedMoE" in full["_log"]
@@ -137,7 +137,7 @@ def test_fused_loss_trains_like_the_unfused_loss(tmp_path):
 def test_no_loongforge_runs_stock(tmp_path):
     summary = _train("--deepspeed_config", "ds_configs/cpu.json", "--steps", "2", "--no-loongforge")
     _assert_finite(summary)
-    assert not summary["loongforge"] and summary["moe_layers"] == 0 and not summary["expert_aware_sampler"]
+    assert not summary["loongforge"] and summary["expert_masked_layers"] == 0 and not summary["expert_aware_sampler"]
     assert not summary["fused_loss"]
     assert "ExpertMaskedMoE:" not in summary["_log"]
     assert summary["variant"] == "stock" and summary["data"] == "text"
@@ -199,6 +199,12 @@ def test_local_text_dataset(tmp_path):
     assert _corpus.dataset_documents(str(path)) == ["first line of text", "second line", "third"]
     with pytest.raises(ValueError, match="text column"):
         _corpus.dataset_documents(str(path), column="body")
+    # errors name the option they came from (datasets' own messages do not)
+    with pytest.raises(FileNotFoundError, match=r"--dataset '.*missing\.txt': no such file or folder"):
+        _corpus.dataset_documents(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match=r"--dataset '.*empty': the datasets library could not load it"):
+        _corpus.dataset_documents(str(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize("flag, expected", [(None, True), (True, True), (False, False)])
