@@ -104,13 +104,22 @@ def warn_opt_out(args: tuple, kwargs: dict) -> None:
             "runs stock", os.environ.get("LOONGFORGE_DISABLE"))
 
 
-def _asks_for_loongforge(args: tuple, kwargs: dict) -> bool:
-    """Whether the config that deepspeed.initialize will read (``config``, ``config_params`` or
-    ``args.deepspeed_config``; a dict or a JSON file) holds ``"loongforge": {"enabled": true}``."""
-    config = kwargs.get("config", kwargs.get("config_params"))
-    cli_args = kwargs.get("args", args[0] if args else None)
+def config_source(call: dict):
+    """The DeepSpeed config as ``deepspeed.initialize`` finds it in its arguments (``config``, ``config_params``
+    or ``args.deepspeed_config``/``args.deepscale_config``): a dict, a path, or None."""
+    config = call.get("config")
+    if config is None:
+        config = call.get("config_params")
+    cli_args = call.get("args")
     if config is None and cli_args is not None:
         config = getattr(cli_args, "deepspeed_config", None) or getattr(cli_args, "deepscale_config", None)
+    return config
+
+
+def _asks_for_loongforge(args: tuple, kwargs: dict) -> bool:
+    """Whether the config that deepspeed.initialize will read (a dict or a JSON file) holds
+    ``"loongforge": {"enabled": true}``."""
+    config = config_source({"args": args[0] if args else None, **kwargs})
     if isinstance(config, (str, os.PathLike)):
         import json
 

@@ -44,8 +44,10 @@ _reentry = threading.local()  # optim.initialize calls deepspeed.initialize: tha
 
 
 def disabled_by_env() -> bool:
-    """True when ``LOONGFORGE_DISABLE`` is set to anything but "", "0", "false" or "no"."""
-    return os.environ.get(ENV_DISABLE, "").strip().lower() not in ("", "0", "false", "no")
+    """True when ``LOONGFORGE_DISABLE`` is set to anything but "", "0", "false" or "no" (the autoloader's test)."""
+    from ds_loongforge._autoload import _disabled
+
+    return _disabled()
 
 
 def stock_initialize():
@@ -102,12 +104,9 @@ def _initialize(original, args: tuple, kwargs: dict):
 def _resolve_config(call: dict) -> Any:
     """The DeepSpeed config as ``deepspeed.initialize`` finds it (``config``, ``config_params`` or
     ``args.deepspeed_config``/``args.deepscale_config``), loaded into a dict; ``None`` when there is none."""
-    config = call.get("config")
-    if config is None:
-        config = call.get("config_params")
-    cli_args = call.get("args")
-    if config is None and cli_args is not None:
-        config = getattr(cli_args, "deepspeed_config", None) or getattr(cli_args, "deepscale_config", None)
+    from ds_loongforge._autoload import config_source
+
+    config = config_source(call)
     if config is None or isinstance(config, dict):
         return config
     if isinstance(config, os.PathLike):
@@ -122,6 +121,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     from ds_loongforge.integrations.inject import inject
     from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
     from ds_loongforge.optim import initialize as optim_initialize
+    from ds_loongforge.optim.ds_integration import check_zero_setup
 
     _ensure_log_handler()
     model = call.get("model")
@@ -131,7 +131,9 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         raise ValueError("ds_loongforge.initialize: the model was built under deepspeed.zero.Init (ZeRO-3), so its "
                          "parameters are already partitioned and cannot be copied into LoongForge modules; build "
                          "the model without zero.Init, or set \"loongforge\": {\"enabled\": false}")
-    _check_optimizer_fits_zero(ds_config)
+    fused_adamw_clip = uses_fused_adamw_clip(ds_config)
+    if fused_adamw_clip:
+        check_zero_setup(ds_config)  # before inject: nothing changed when the setup cannot run
     apply_op_settings(config)
     if config.moe.ep_size > 1:
         _init_distributed(call, config.moe.ep_size)
@@ -169,7 +171,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         # the optimizer to the engine once this returns
         logger.info("[LoongForge] optimizer: FusedAdamWClip (built by ds_loongforge.optim.initialize)")
         engine, optimizer, loader, scheduler = original(**call)
-    elif uses_fused_adamw_clip(ds_config):
+    elif fused_adamw_clip:
         logger.info("[LoongForge] optimizer: FusedAdamWClip (AdamW + global-norm clip + non-finite skip)")
         engine, optimizer, loader, scheduler = optim_initialize(**call)
     else:
@@ -196,24 +198,6 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
     return engine, optimizer, loader, scheduler
-
-
-def _check_optimizer_fits_zero(ds_config: dict) -> None:
-    """FusedAdamWClip runs under ZeRO 0/1/2 without offload: say so before anything is built or replaced."""
-    from ds_loongforge.optim import uses_fused_adamw_clip
-
-    if not uses_fused_adamw_clip(ds_config):
-        return
-    zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    problem = (f'"zero_optimization": {{"stage": {stage}}}' if stage == 3 else
-               f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else None)
-    if problem is not None:
-        raise ValueError(f"FusedAdamWClip (selected by the config) runs under ZeRO stages 0-2 without optimizer "
-                         f"offload; the config has {problem}. Set \"loongforge\": {{\"optimizer\": "
-                         "{\"fused_adamw_clip\": false}} (and an \"optimizer\" type other than LoongForgeAdamW) "
-                         "to keep DeepSpeed's optimizer, or use ZeRO stage 2 without offload")
 
 
 def _init_distributed(call: dict, ep_size: int) -> None:

@@ -72,6 +72,22 @@ def uses_fused_adamw_clip(ds_config: dict) -> bool:
     return block.enabled and block.optimizer.fused_adamw_clip
 
 
+def check_zero_setup(ds_config: dict) -> None:
+    """FusedAdamWClip runs under ZeRO 0/1/2 without optimizer offload: a config that selects it with ZeRO-3 or
+    offload is refused from the config alone, before a model is changed or an engine built (``attach`` would
+    find it only once DeepSpeed had built the whole engine)."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    problem = (f'"zero_optimization": {{"stage": {stage}}}' if stage == 3 else
+               f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else None)
+    if problem is not None:
+        raise ValueError(f"FusedAdamWClip (selected by the config) runs under ZeRO stages 0-2 without optimizer "
+                         f"offload; the config has {problem}. Set \"loongforge\": {{\"optimizer\": "
+                         "{\"fused_adamw_clip\": false}} (and an \"optimizer\" type other than LoongForgeAdamW) "
+                         "to keep DeepSpeed's optimizer, or use ZeRO stage 2 without offload")
+
+
 def deepspeed_optimizer(model_params, ds_config: dict, impl: str = "auto") -> FusedAdamWClip:
     """FusedAdamWClip from a DeepSpeed config's ``"optimizer"`` params and ``"gradient_clipping"``."""
     optimizer = ds_config.get("optimizer") or {}
@@ -135,6 +151,7 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
     config = throughput_timer_setting(config)  # an enabled loongforge block: no per-step timer syncs
     if not uses_fused_adamw_clip(config):
         return deepspeed.initialize(model=model, model_parameters=model_parameters, config=config, **kwargs)
+    check_zero_setup(config)
     client = kwargs.pop("optimizer", None)
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     if client is not None:
@@ -207,7 +224,7 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
             raise NotImplementedError(f"FusedAdamWClip at ZeRO-0 needs fp32 params; DeepSpeed wrapped it in "
                                       f"{type(engine.optimizer).__name__}. Build the engine with "
                                       "deepspeed_config_for(config), which runs bf16/fp16 as ZeRO-1.")
-        _count_skips_on_engine(engine, optimizer)
+        _follow_device_skips(engine, optimizer)
         return
     zero = engine.optimizer
     if stage not in (1, 2) or not isinstance(zero, DeepSpeedZeroOptimizer):
@@ -220,7 +237,7 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     _single_process_shortcuts(zero, optimizer)
     zero.step = _fused_zero_step.__get__(zero)
     zero.loongforge_optimizer = optimizer
-    _count_skips_on_engine(engine, optimizer)
+    _follow_device_skips(engine, optimizer)
 
 
 def _single_process_shortcuts(zero, optimizer: FusedAdamWClip) -> None:
@@ -390,7 +407,7 @@ def _device_loss_scaler(zero):
     return scaler
 
 
-def _count_skips_on_engine(engine, optimizer: FusedAdamWClip) -> None:
+def _follow_device_skips(engine, optimizer: FusedAdamWClip) -> None:
     """``engine.skipped_steps`` = the optimizer's device count of skipped steps (plus what a loaded
     checkpoint recorded): DeepSpeed counts only host-reported overflows, which this optimizer never reports.
 
@@ -432,7 +449,7 @@ def _count_skips_on_engine(engine, optimizer: FusedAdamWClip) -> None:
 
 class _ScheduleRollback:
     """The engine's LR schedule before its last step, kept until that step's skip flag is known (see
-    :func:`_count_skips_on_engine`). The flag is copied to pinned host memory behind the step and read at the
+    :func:`_follow_device_skips`). The flag is copied to pinned host memory behind the step and read at the
     next step through an event: no host sync unless the host is a whole step ahead of the device."""
 
     def __init__(self, engine):

@@ -237,6 +237,14 @@ def test_a_zero_setup_it_cannot_run_is_refused_before_anything_is_built(zero, pr
                                          r'.*"fused_adamw_clip": false'):
         ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    # the same check where the optimizer is built: ds_loongforge.optim.initialize, the type named in "optimizer"
+    from ds_loongforge.optim import initialize
+
+    by_type = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": zero,
+               "optimizer": {"type": "LoongForgeAdamW", "params": {"lr": LR}}}
+    with pytest.raises(ValueError, match=r"runs under ZeRO stages 0-2 without optimizer offload; the config has "
+                                         + problem):
+        initialize(model=model, model_parameters=model.parameters(), config=by_type)
 
 
 def test_client_adamw_stands_in_on_its_own_groups():
