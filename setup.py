@@ -136,7 +136,7 @@ setup(
         "tqdm",
     ],
     # accelerate: the HF Trainer test; matplotlib: the benchmarks' plots (bench_e2e's smoke test draws one)
-    extras_require={"test": ["pytest", "accelerate", "matplotlib"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest", "accelerate", "matplotlib", "peft==0.21.2"], "bench": ["matplotlib"]},
     entry_points={"console_scripts": ["loongforge_report=ds_loongforge.report:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

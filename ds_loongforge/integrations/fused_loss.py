@@ -15,7 +15,8 @@ from the LM head's input, chunk by chunk, and never builds the logits:
   ``shift_labels`` kwarg as given), mean over non-ignored labels, or sum / ``num_items_in_batch`` when that kwarg
   is passed (the HF Trainer passes it), (d) adds ``router_aux_loss_coef * aux_loss`` where the family's forward
   does, and (e) returns the family's output with ``loss`` set and ``logits=None``.
-* Any other call (no labels, eval mode, no grad: evaluation and generation) runs the original forward unchanged.
+* Any other call (no labels, eval mode, no grad: evaluation and generation; ``return_dict=False``, whose tuple
+  would lose the logits' position) runs the original forward unchanged.
   A training call that passes ``logits_to_keep`` other than 0, a model whose ``loss_function`` is not
   transformers' ``ForCausalLMLoss``, or an LM head whose weight is partitioned by ZeRO-3 also runs the original
   (logged once per reason).
@@ -347,6 +348,10 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
     if return_dict is None:  # as can_return_tuple decides
         return_dict = getattr(getattr(model, "config", None), "return_dict", True)
         return_dict = True if return_dict is None else return_dict
+    if not return_dict:
+        # a tuple drops the fields that are None: without logits (and the cache) every later field would move
+        # up a position, and out[1] would no longer be what it is in stock's tuple
+        return original(**kwargs)
     head = model.lm_head
     call = {**kwargs, "labels": None, "return_dict": True}
     cache = _training_cache(model, spec, kwargs)
@@ -380,5 +385,4 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
                       and getattr(out, f.name) is cache), None)
         if field is not None:
             replace[field] = None
-    out = dataclasses.replace(out, **replace)
-    return out if return_dict else out.to_tuple()
+    return dataclasses.replace(out, **replace)

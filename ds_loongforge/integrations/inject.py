@@ -54,7 +54,7 @@ from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_conf
 from ds_loongforge.integrations.fused_loss import KIND_FUSED_LOSS, install_fused_loss, uses_fused_loss  # noqa: F401
 from ds_loongforge.integrations.residual import KIND_RESIDUAL, fuse_residual_adds, residual_problem
 from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
-from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP
+from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP, gate_up_trainability_problem
 from ds_loongforge.modules.qkv import FusedQKVLinear, fuse_qkv, qkv_problem
 
 logger = logging.getLogger("ds_loongforge")
@@ -394,7 +394,7 @@ def _swiglu_problem(mlp: nn.Module) -> str | None:
     act = getattr(mlp, "act_fn", None)
     if not _is_silu(act):
         return f"activation {type(act).__name__} is not SiLU (the fused kernel computes silu(gate) * up)"
-    return None
+    return gate_up_trainability_problem(mlp)
 
 
 _DYNAMIC_CLASSES: dict[str, type] = {}
@@ -441,6 +441,9 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
     """(replacement, None) or (None, reason)."""
     spec = preset.moe
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if hasattr(experts, "base_layer"):  # a PEFT tuner layer (LoRA's ParamWrapper via target_parameters)
+        return None, (f"experts are wrapped by {type(experts).__name__} (PEFT adapters on the expert weights); "
+                      "the block stays the family's own so that the adapters take effect")
     gate_up_EIH, down_EHI = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up_EIH, torch.Tensor) and isinstance(down_EHI, torch.Tensor) and gate_up_EIH.dim() == 3):
         return None, "experts are not stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] tensors"
@@ -494,10 +497,15 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
     with torch.no_grad():
         moe.experts.gate_up_proj.copy_(gate_up_EIH[local])
         moe.experts.down_proj.copy_(down_EHI[local])
+    # the replacements are new Parameters, trainable by default: frozen experts (a PEFT model's base, a
+    # requires_grad_(False) model) stay frozen
+    moe.experts.gate_up_proj.requires_grad_(gate_up_EIH.requires_grad)
+    moe.experts.down_proj.requires_grad_(down_EHI.requires_grad)
     if spec.router == "softmax_topk":
         moe.gate.to(gate.weight.dtype)  # a router kept in fp32 in a bf16 model stays fp32
         with torch.no_grad():
             moe.gate.weight.copy_(gate.weight)
+        moe.gate.weight.requires_grad_(gate.weight.requires_grad)
         moe.gate.__class__ = _dynamic_class(f"LoongForge{type(gate).__name__}", (TopKRouter, type(gate)),
                                             f"TopKRouter recorded as {type(gate).__name__} by transformers.")
         _move_hooks(gate, moe.gate)

@@ -211,15 +211,19 @@ class StackedExperts(nn.Module):
 
 
 def _grouped_mm_supported(x: torch.Tensor, w_EOI: torch.Tensor) -> bool:
-    return _grouped_mm_supported_for(x.device.type, x.dtype, x.shape[-1], w_EOI.shape[1])
+    return _grouped_mm_supported_for(x.device.type, x.dtype, x.shape[-1], w_EOI.shape[1],
+                                     torch.compiler.is_compiling())
 
 
 @functools.lru_cache(maxsize=64)  # asked twice per MoE layer and forward, of a few shapes
-def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features: int, out_features: int,
+                              compiling: bool = False) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
-    if device_type == "cuda" and dtype != torch.bfloat16:
-        return False  # torch's CUDA grouped GEMM is bf16-only; fp32/fp16 take the per-expert loop
+    if (device_type == "cuda" or compiling) and dtype != torch.bfloat16:
+        # torch's CUDA grouped GEMM is bf16-only, and so is the meta kernel torch.compile traces any device's
+        # with (the CPU's eager kernel takes fp32): those take the per-expert loop
+        return False
     elem = dtype.itemsize
     return (in_features * elem) % 16 == 0 and (out_features * elem) % 16 == 0
 
@@ -515,6 +519,12 @@ class ExpertMaskedMoE(nn.Module):
         if residual is not None and (residual.shape != shape or residual.dtype != hidden_states.dtype):
             raise ValueError(f"ExpertMaskedMoE: residual {tuple(residual.shape)} {residual.dtype} must have the "
                              f"input's shape {tuple(shape)} and dtype {hidden_states.dtype}")
+        if not isinstance(self.experts, StackedExperts):
+            # its Parameters are read here, never through experts.forward: a wrapper would be bypassed
+            raise TypeError(f"ExpertMaskedMoE: `experts` is {type(self.experts).__name__}, not StackedExperts; a "
+                            "wrapper around it (e.g. PEFT adapters via target_parameters) would not take effect. "
+                            "Apply PEFT before ds_loongforge.inject (the block then stays the family's own, with "
+                            "the adapters), or leave the expert weights out of target_parameters")
         x_TH = hidden_states.reshape(-1, self.hidden_size)
         if self.training and self.jitter_noise > 0:
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
@@ -569,10 +579,11 @@ class ExpertMaskedMoE(nn.Module):
     def _use_loop(self, x_PH: torch.Tensor) -> bool:
         if self.expert_compute != "auto":
             return self.expert_compute == "loop"
+        compiling = torch.compiler.is_compiling()
         return not (_grouped_mm_supported_for(x_PH.device.type, x_PH.dtype, x_PH.shape[-1],
-                                              self.experts.gate_up_proj.shape[1])
+                                              self.experts.gate_up_proj.shape[1], compiling)
                     and _grouped_mm_supported_for(x_PH.device.type, x_PH.dtype, self.intermediate_size,
-                                                  self.experts.down_proj.shape[1]))
+                                                  self.experts.down_proj.shape[1], compiling))
 
     def _routing_indices(self, ids_TK: torch.Tensor):
         """(order_P, slot_TK, tokens_per_expert_E, offsets_E or None) for the permute/unpermute ops, in

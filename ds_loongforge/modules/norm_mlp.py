@@ -6,7 +6,10 @@ like the stock model:
 * FusedRMSNorm has ``weight [H]`` and both ``variance_epsilon`` (Llama/Mixtral/Qwen) and ``eps``.
 * FusedSwiGLUMLP computes gate and up with one GEMM (``gate_up_proj.weight [2I, H]``) but its
   ``state_dict()`` holds HF's ``gate_proj.weight`` / ``up_proj.weight``; ``load_state_dict()``
-  accepts those keys or the fused ``gate_up_proj.weight``.
+  accepts those keys or the fused ``gate_up_proj.weight``. Its ``gate_proj`` and ``up_proj`` are
+  parameterless :class:`FusedIntoGateUp` markers: a tool that looks those Linears up by name (PEFT's
+  ``target_modules`` applied after inject) finds a module it cannot wrap and says so, instead of silently
+  adapting only the other Linears.
 """
 
 from __future__ import annotations
@@ -70,6 +73,24 @@ class FusedRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, impl={self.impl!r}, rounding={self.rounding!r}"
 
 
+class FusedIntoGateUp(nn.Module):
+    """Where an MLP's ``gate_proj`` or ``up_proj`` Linear was: its weight is now rows of the parent
+    FusedSwiGLUMLP's ``gate_up_proj``. It holds no Parameters and cannot be called; its repr says why (PEFT puts
+    the repr of a module it cannot adapt in its error)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} was fused into gate_up_proj by ds_loongforge (FusedSwiGLUMLP); call the MLP")
+
+    def extra_repr(self) -> str:
+        return (f"{self.name}: fused with the other into FusedSwiGLUMLP.gate_up_proj by ds_loongforge.inject; to "
+                "adapt it with PEFT apply PEFT before inject (the MLP then stays the family's own), or set "
+                "loongforge.fused_kernels.swiglu to false")
+
+
 class FusedSwiGLUMLP(nn.Module):
     """``down_proj(dropout_p(silu(gate_proj(x)) * up_proj(x)))`` with gate and up fused in one GEMM; ``rounding``:
     "stock" (transformers' roundings, the default) or "once" (ds_loongforge.ops.swiglu)."""
@@ -91,6 +112,7 @@ class FusedSwiGLUMLP(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        self.gate_proj, self.up_proj = FusedIntoGateUp("gate_proj"), FusedIntoGateUp("up_proj")
         self.register_state_dict_post_hook(_split_gate_up_state)
         self.register_load_state_dict_pre_hook(_fuse_gate_up_state)
 
@@ -101,6 +123,9 @@ class FusedSwiGLUMLP(nn.Module):
         for name in ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(getattr(mlp, name, None), nn.Linear):
                 raise ValueError(f"FusedSwiGLUMLP.from_hf: {type(mlp).__name__} has no nn.Linear `{name}`")
+        problem = gate_up_trainability_problem(mlp)
+        if problem:
+            raise ValueError(f"FusedSwiGLUMLP.from_hf: {type(mlp).__name__}: {problem}")
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         bias = gate.bias is not None
         fused = cls(gate.in_features, gate.out_features, bias=bias, dropout=dropout, impl=impl, rounding=rounding,
@@ -109,6 +134,10 @@ class FusedSwiGLUMLP(nn.Module):
             fused.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight], dim=0))
             if bias:
                 fused.gate_up_proj.bias.copy_(torch.cat([gate.bias, up.bias], dim=0))
+        # a frozen MLP stays frozen: the fused Parameters are new ones, trainable by default
+        fused.gate_up_proj.weight.requires_grad_(gate.weight.requires_grad)
+        if bias:
+            fused.gate_up_proj.bias.requires_grad_(gate.bias.requires_grad)
         fused.down_proj = down
         return fused
 
@@ -119,6 +148,17 @@ class FusedSwiGLUMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, impl={self.impl!r}, rounding={self.rounding!r}"
+
+
+def gate_up_trainability_problem(mlp: nn.Module) -> str | None:
+    """Why ``mlp``'s gate_proj and up_proj cannot become one gate_up Parameter: one of them is frozen (its
+    ``requires_grad`` is False) and the other is not, and one Parameter cannot be partly trainable."""
+    for kind in ("weight", "bias"):
+        gate, up = getattr(mlp.gate_proj, kind, None), getattr(mlp.up_proj, kind, None)
+        if gate is not None and up is not None and gate.requires_grad != up.requires_grad:
+            return (f"gate_proj.{kind}.requires_grad={gate.requires_grad} but up_proj.{kind}.requires_grad="
+                    f"{up.requires_grad}: one fused gate_up {kind} cannot be partly frozen")
+    return None
 
 
 def _split_gate_up_state(module: FusedSwiGLUMLP, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -15,7 +15,10 @@ GEMMs, two of them narrow (KV = H / 4 at the e2e mixtral shape, where the H200 r
   concatenation splits into each weight's gradient (views, no copy).
 * The math is the stock Linears': every output element is the same dot product. Any other call (another
   input, x modified in place in between, a second call of the same projection, mixed dtypes or devices,
-  ZeRO-3 parameters, which DeepSpeed gathers per module) runs that Linear on its own, as stock does.
+  ZeRO-3 parameters, which DeepSpeed gathers per module) runs that Linear on its own, as stock does. So does
+  every call while one of the three is no longer the attention's own attribute (a wrapper such as PEFT's
+  ``ParamWrapper`` stands in its place and changes its weight only during its own call) or has forward
+  pre-hooks (which may change a weight before that Linear's call, after the fused product was taken).
 * Modules, Parameters, names and state-dict keys stay as they were; nothing is copied at inject.
 
 The outputs are column slices of the [T, N] product (views, row stride N): the attention's ``view`` +
@@ -37,8 +40,11 @@ class QKVProjection:
     product not yet returned. Not a Module (it would register the Linears twice); held in each Linear's
     ``__dict__``."""
 
-    def __init__(self, linears: tuple[nn.Linear, nn.Linear, nn.Linear]):
+    def __init__(self, linears: tuple[nn.Linear, nn.Linear, nn.Linear], attention: nn.Module | None = None):
         self.linears = linears
+        # the attention whose attributes the three must still be (a reference cycle through the Linears'
+        # __dict__, which deepcopy and pickle keep consistent)
+        self.attention = attention
         self._pending: tuple[torch.Tensor, int, list[torch.Tensor | None]] | None = None  # (x, x._version, slices)
         self.fused_calls = 0  # products computed for all three at once (what tests count)
 
@@ -69,6 +75,12 @@ class QKVProjection:
         first = weights[0]
         if any(hasattr(w, "ds_id") for w in weights):  # ZeRO-3: each weight is gathered by its own module's hook
             return False
+        attention = self.attention
+        if attention is not None and any(getattr(attention, name, None) is not linear
+                                         for name, linear in zip(PROJECTIONS, self.linears)):
+            return False  # wrapped (e.g. PEFT's ParamWrapper): the wrapper's weight holds only during its call
+        if any(linear._forward_pre_hooks for linear in self.linears):
+            return False  # a pre-hook may change a weight at its own Linear's call, after the fused product
         if any(w.dtype != first.dtype or w.device != first.device for w in weights[1:]):
             return False
         return x_TH.device == first.device  # (biases all or none: checked by fuse_qkv)
@@ -106,7 +118,7 @@ def fuse_qkv(attention: nn.Module) -> QKVProjection:
     group = linears[0].__dict__.get("_lf_qkv")
     if group is not None and group.linears == linears:
         return group
-    group = QKVProjection(linears)
+    group = QKVProjection(linears, attention)
     for linear in linears:
         linear.__class__ = FusedQKVLinear
         linear.__dict__["_lf_qkv"] = group
