@@ -237,7 +237,24 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     _single_process_shortcuts(zero, optimizer)
     zero.step = _fused_zero_step.__get__(zero)
     zero.loongforge_optimizer = optimizer
+    if getattr(zero, "elastic_checkpoint", False):
+        zero.state_dict = _elastic_state_dict.__get__(zero)
     _follow_device_skips(engine, optimizer)
+
+
+def _elastic_state_dict(zero) -> dict:
+    """DeepSpeedZeroOptimizer.state_dict under ``"elastic_checkpoint": true``, which records the base optimizer's
+    step only from ``param_groups[0]["step"]`` (DeepSpeed's FusedAdam keeps it there) and cannot load a
+    checkpoint without it. FusedAdamWClip counts steps on the device, per partition (``state["step"]``, equal in
+    every group: a skipped step skips all); each group's count is put into its param group here, read once per
+    save (a host sync), and loading restores the state's own tensor besides."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = zero.loongforge_optimizer
+    for group in optimizer.param_groups:
+        state = optimizer.state.get(group["params"][0]) or {}
+        group["step"] = int(state["step"]) if "step" in state else 0
+    return DeepSpeedZeroOptimizer.state_dict(zero)
 
 
 def _single_process_shortcuts(zero, optimizer: FusedAdamWClip) -> None:

@@ -90,6 +90,8 @@ class FusedAdamWClip(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             if self.master_weights and p.dtype in (torch.bfloat16, torch.float16):
                 state["master"] = p.detach().float().contiguous()
+        elif state["step"].dim():  # DeepSpeed's elastic checkpoint load writes it as a [1] tensor
+            state["step"] = state["step"].reshape(())
         return state
 
     def _group_buckets(self, group_index: int, group: dict) -> list[AdamWBucket]:
