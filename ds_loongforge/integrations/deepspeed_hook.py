@@ -197,7 +197,37 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
                     "the ExpertAwareSampler")
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
+    if not getattr(engine, "has_moe_layers", False):
+        _explain_expert_files_on_load(engine)
     return engine, optimizer, loader, scheduler
+
+
+def _explain_expert_files_on_load(engine) -> None:
+    """A checkpoint saved with expert parallelism keeps the experts in per-expert files, which DeepSpeed reads
+    only into a model with MoE layers; a model injected with ``moe.ep_size`` 1 has none, and the load fails on
+    the missing expert keys without saying why. The engine's ``load_checkpoint`` now says it."""
+    original = engine.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        try:
+            return original(load_dir, tag, *args, **kwargs)
+        except RuntimeError as error:
+            import glob
+
+            if tag is None and os.path.isfile(os.path.join(load_dir, "latest")):
+                with open(os.path.join(load_dir, "latest")) as fd:
+                    tag = fd.read().strip()
+            expert_files = glob.glob(os.path.join(load_dir, str(tag), "layer_*_expert_*_model_states.pt"))
+            if not expert_files:
+                raise
+            raise RuntimeError(
+                f"[LoongForge] {os.path.join(load_dir, str(tag))} was saved with expert parallelism: its experts are "
+                f"in {len(expert_files)} per-expert files, which DeepSpeed reads only into a model with MoE layers, "
+                "and this model was injected with loongforge.moe.ep_size 1 (plain ExpertMaskedMoE layers, the "
+                "experts under their transformers keys). Load it with the moe.ep_size > 1 it was saved with") from error
+
+    engine.load_checkpoint = load_checkpoint
 
 
 def _init_distributed(call: dict, ep_size: int) -> None:

@@ -207,3 +207,53 @@ def test_torch_compile_fp32_moe_layer_on_cpu():
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
     for got, want in zip([x.grad] + [p.grad for p in layer.parameters()], ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _expert_files_worker(rank, world, port, ckpt_dir, out_path):
+    """One process: a LoongForge engine (tiny Mixtral, moe.ep_size 1) saves; a checkpoint with per-expert files
+    (what moe.ep_size > 1 writes: here the same checkpoint with the experts moved out of the module states) is
+    then loaded into a fresh one."""
+    import json
+    import os
+
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import ds_loongforge
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "loongforge": {"enabled": True}}
+
+    def engine():
+        model = build("mixtral")
+        return ds_loongforge.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                        config=config)[0]
+
+    saving = engine()
+    saving.save_checkpoint(ckpt_dir, tag="t")
+    result = {"round_trip": engine().load_checkpoint(ckpt_dir, tag="t")[0] is not None}
+    states = f"{ckpt_dir}/t/mp_rank_00_model_states.pt"
+    checkpoint = torch.load(states, weights_only=False)
+    experts = {k: checkpoint["module"].pop(k) for k in list(checkpoint["module"]) if ".experts." in k}
+    torch.save(checkpoint, states)
+    torch.save(experts, f"{ckpt_dir}/t/layer_0_expert_0_mp_rank_00_model_states.pt")
+    try:
+        engine().load_checkpoint(ckpt_dir)  # the tag from "latest"
+        result["error"] = None
+    except RuntimeError as error:
+        result["error"], result["cause"] = str(error), str(error.__cause__)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def test_loading_an_expert_parallel_checkpoint_into_an_ep_size_1_model_says_why(tmp_path):
+    import json
+
+    from tests._dist import spawn_with_deadline
+
+    spawn_with_deadline(_expert_files_worker, 1, str(tmp_path / "ckpt"), str(tmp_path / "out.json"), timeout_s=240)
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["round_trip"]
+    assert "saved with expert parallelism" in result["error"] and "1 per-expert files" in result["error"]
+    assert "Load it with the moe.ep_size > 1" in result["error"]
+    assert "Missing key(s)" in result["cause"] and "experts.gate_up_proj" in result["cause"]
