@@ -607,7 +607,13 @@ def main(argv=None) -> dict:
 
     from ds_loongforge.data import PadCollator
 
-    eval_rows = corpus.eval[rank::world][:args.eval_batches * micro_batch] or corpus.eval[:micro_batch]
+    # every rank the same number of rows, so the same number of eval forwards: under expert parallelism each
+    # forward is a collective of the expert-parallel group, and a rank with one batch more waits in it forever
+    per_rank = min(len(corpus.eval) // world, max(1, args.eval_batches) * micro_batch)
+    if per_rank == 0:
+        raise ValueError(f"the held-out set has {len(corpus.eval)} sequences for {world} ranks (at least one each "
+                         "is needed): raise --eval-fraction or --max-documents")
+    eval_rows = corpus.eval[rank::world][:per_rank]
     eval_batches = list(DataLoader(eval_rows, batch_size=micro_batch,
                                    collate_fn=PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)))
 

@@ -495,6 +495,7 @@ class ExpertMaskedMoE(nn.Module):
         self.register_buffer("_chunk_of_local_L", torch.tensor(chunk_of_local, dtype=torch.long, device=device),
                              persistent=False)
         self.split_sync_seconds = 0.0  # host time spent waiting for the split sizes (expert-parallel only)
+        self._ep_calls = 0  # exchanges this layer started: every rank of the group must be at the same one
         self._buffer_fill = 0.0
         for message in routing_health(num_experts, top_k):
             if (num_experts, top_k, message) not in _HEALTH_WARNED:
@@ -616,17 +617,26 @@ class ExpertMaskedMoE(nn.Module):
         """
         ep, local, bounds = self.ep_size, self.num_local_experts, self.chunk_bounds
         send_RL = tokens_per_expert_E.view(ep, local)
-        recv_RL = torch.empty_like(send_RL)
+        # each rank's counts go out with a tag, (this layer's call number, grad mode), read back with the split
+        # sizes below: ranks out of step (a forward on one rank only, an extra eval batch) would otherwise pair
+        # different calls' exchanges without a word and train on each other's tokens
+        self._ep_calls += 1
+        grad = int(torch.is_grad_enabled())
+        send_tagged = torch.cat([send_RL, send_RL.new_full((ep, 1), self._ep_calls), send_RL.new_full((ep, 1), grad)],
+                                dim=1)
+        recv_tagged = torch.empty_like(send_tagged)
         with profiler.region("all_to_all"):
-            dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=self.ep_group)
+            dist.all_to_all_single(recv_tagged, send_tagged, group=self.ep_group)
+        recv_RL = recv_tagged[:, :local]
         send_CR = torch.stack([send_RL[:, lo:hi].sum(1) for lo, hi in bounds])
         recv_CR = torch.stack([recv_RL[:, lo:hi].sum(1) for lo, hi in bounds])
         # The one host sync of the layer (forward only; backward reuses the splits): all_to_all_single
         # takes split sizes as host integers. Everything queued above overlaps the wait.
         t0 = time.perf_counter()
-        split_list = torch.cat([send_CR.reshape(-1), recv_CR.reshape(-1)]).tolist()
+        split_list = torch.cat([send_CR.reshape(-1), recv_CR.reshape(-1), recv_tagged[:, local:].reshape(-1)]).tolist()
         self.split_sync_seconds += time.perf_counter() - t0
         n = len(bounds) * ep
+        self._check_in_step(split_list[2 * n:], grad)
         send_splits = [split_list[c * ep:(c + 1) * ep] for c in range(len(bounds))]
         recv_splits = [split_list[n + c * ep:n + (c + 1) * ep] for c in range(len(bounds))]
 
@@ -664,6 +674,25 @@ class ExpertMaskedMoE(nn.Module):
                                              send_splits[c], recv_splits[c], self.ep_group))
         y_chunks = [all_to_all_wait(*r) for r in returned]
         return y_chunks[0] if len(y_chunks) == 1 else torch.cat(y_chunks)
+
+    def _check_in_step(self, tags: list[int], grad: int) -> None:
+        """``tags``: (call number, grad mode) of every rank of the group, as each sent them with its counts."""
+        mine = (self._ep_calls, grad)
+        others = [(r, tuple(tags[2 * r:2 * r + 2])) for r in range(self.ep_size)]
+        wrong = [(r, tag) for r, tag in others if tag != mine]
+        if not wrong:
+            return
+
+        def say(call: int, grad_on: int) -> str:
+            return f"call {call} ({'grad enabled' if grad_on else 'no grad'})"
+
+        r, (call, grad_on) = wrong[0]
+        raise RuntimeError(
+            f"ExpertMaskedMoE: the ranks of the expert-parallel group are out of step: rank {self.ep_rank} is at this "
+            f"layer's {say(*mine)}, rank {r} at its {say(call, grad_on)}. Every rank of an expert-parallel group "
+            "must run the same forwards, since each is a collective of the group: give every rank the same number "
+            "of eval batches, generate on every rank (generate(..., synced_gpus=True)), never run a forward on one "
+            "rank only")
 
     def _aux_loss(self, logits_TE, probs_TE, tokens_per_expert_E, num_tokens) -> torch.Tensor | None:
         if self.aux_loss_coef == 0 and self.z_loss_coef == 0:

@@ -149,8 +149,12 @@ def test_deepspeed_launcher_two_cpu_processes_expert_parallel():
     launcher = Path(sys.executable).parent / "deepspeed"
     if not launcher.exists():
         pytest.skip(f"no deepspeed launcher next to {sys.executable}")
+    # 57 held-out sequences and up to 8 eval batches a rank: split by rank alone, rank 0 got one batch more than
+    # rank 1 and waited in its expert-parallel exchange while rank 1 was in the eval loss's all-reduce (a hang)
     summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), *FAST,
-                        "--deepspeed_config", "ds_configs/multi_gpu_ep.json", "--steps", "2"])
+                        "--deepspeed_config", "ds_configs/multi_gpu_ep.json", "--steps", "2", "--max-documents", "30",
+                        "--eval-fraction", "0.1", "--eval-batches", "8"])
+    assert "57 eval sequences" in summary["_log"]
     _assert_finite(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 2 and summary["bf16"], summary
     assert summary["optimizer"] == "FusedAdamWClip", summary["optimizer"]

@@ -199,3 +199,37 @@ def test_chunk_bounds_cover_every_local_expert_once():
             b = chunk_bounds(local, chunks)
             assert b[0][0] == 0 and b[-1][1] == local and all(lo < hi for lo, hi in b)
             assert all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+
+
+def _out_of_step_worker(rank, port, out_dir):
+    """Both ranks train one step; then rank 0 runs a no-grad forward (an eval or a generation on one rank) while
+    rank 1 runs its next training forward: each call's exchange pairs with the other rank's, which must not pass
+    silently."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_group=dist.group.WORLD)
+        moe(torch.randn(5, H)).sum().backward()
+        try:
+            if rank == 0:
+                with torch.no_grad():
+                    moe(torch.randn(3, H))
+            else:
+                moe(torch.randn(4, H)).sum().backward()
+            message = None
+        except RuntimeError as err:
+            message = str(err)
+        with open(f"{out_dir}/message{rank}.txt", "w") as f:
+            f.write(message or "no error")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_out_of_step_are_an_error_not_a_silent_pairing(tmp_path):
+    mp.spawn(_out_of_step_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    zero, one = ((tmp_path / f"message{r}.txt").read_text() for r in range(2))
+    assert zero.startswith("ExpertMaskedMoE: the ranks of the expert-parallel group are out of step: rank 0 is at "
+                           "this layer's call 2 (no grad), rank 1 at its call 2 (grad enabled)"), zero
+    assert one.startswith("ExpertMaskedMoE: the ranks of the expert-parallel group are out of step: rank 1 is at "
+                          "this layer's call 2 (grad enabled), rank 0 at its call 2 (no grad)"), one
+    assert "synced_gpus=True" in zero
