@@ -14,12 +14,17 @@ like the stock model:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from ds_loongforge.ops._dispatch import check_rounding
 from ds_loongforge.ops.rmsnorm import fused_rmsnorm
 from ds_loongforge.ops.swiglu import swiglu_dropout
+
+logger = logging.getLogger("ds_loongforge")
+_WRAPPED_GATE_UP_WARNED: set[str] = set()
 
 
 class FusedRMSNorm(nn.Module):
@@ -142,12 +147,27 @@ class FusedSwiGLUMLP(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.gate_up_proj) is not nn.Linear:
+            _say_gate_up_is_wrapped(self.gate_up_proj)
         gate_up = self.gate_up_proj(x)
         act = swiglu_dropout(gate_up, self.dropout if self.training else 0.0, impl=self.impl, rounding=self.rounding)
         return self.down_proj(act)
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, impl={self.impl!r}, rounding={self.rounding!r}"
+
+
+def _say_gate_up_is_wrapped(wrapper: nn.Module) -> None:
+    """A wrapper around the fused gate_up_proj (PEFT's target_modules="all-linear" applied after inject finds it
+    as a Linear) works, but adapts gate and up as one [2I, H] matrix, where the stock model would get one adapter
+    each: a different model. Said once per wrapper type."""
+    name = f"{type(wrapper).__module__}.{type(wrapper).__qualname__}"  # PEFT's LoRA layer is a class named Linear
+    if name not in _WRAPPED_GATE_UP_WARNED:
+        _WRAPPED_GATE_UP_WARNED.add(name)
+        logger.warning("[LoongForge] FusedSwiGLUMLP.gate_up_proj is wrapped by %s: one adapter over gate and up "
+                       "together, where the stock model's gate_proj and up_proj would get one each. Apply PEFT "
+                       "before ds_loongforge.inject to adapt them as stock does, or set "
+                       "loongforge.fused_kernels.swiglu to false", name)
 
 
 def gate_up_trainability_problem(mlp: nn.Module) -> str | None:

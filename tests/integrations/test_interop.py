@@ -4,6 +4,7 @@ PEFT adapters applied after inject take effect or are refused by name, never sil
 ExpertMaskedMoE's experts is an error; torch.compile of an fp32 MoE layer on the CPU."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.nn.utils import parametrize
 
 from ds_loongforge.integrations.inject import KIND_MLP, inject
 from ds_loongforge.modules import ExpertMaskedMoE, FusedSwiGLUMLP
+from ds_loongforge.modules import norm_mlp
 from ds_loongforge.modules.norm_mlp import FusedIntoGateUp
 from ds_loongforge.modules.qkv import FusedQKVLinear
 from tests.integrations.test_inject import ENABLED, FAMILIES, build, run, token_ids
@@ -160,7 +162,7 @@ def test_wrapped_experts_are_an_error_not_bypassed():
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21.2 on 5.25
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_peft_lora_after_inject(family):
+def test_peft_lora_after_inject(family, caplog):
     """LoRA applied after inject: on q/k/v/o it takes effect and gives stock+LoRA's logits, loss and adapter
     gradients; naming gate_proj/up_proj, which the fused MLP replaced, is refused by PEFT with our message."""
     peft = pytest.importorskip("peft", reason="needs peft (installed by .ci/run through the test extras)")
@@ -188,6 +190,14 @@ def test_peft_lora_after_inject(family):
         inject(model, ENABLED)
         with pytest.raises(ValueError, match="apply PEFT before inject"):
             peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]))
+        # "all-linear" finds the fused gate_up_proj (a Linear): it works, as one adapter over both, and says so
+        model = build(family)
+        inject(model, ENABLED)
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+        norm_mlp._WRAPPED_GATE_UP_WARNED.clear()  # said once per process
+        with caplog.at_level(logging.WARNING, logger="ds_loongforge"):
+            run(lora.train(), ids)
+        assert "gate_up_proj is wrapped by peft.tuners.lora.layer.Linear: one adapter over gate and up together" in caplog.text
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo:UserWarning")  # graph breaks at the ops' pybind calls, the lru_cache
