@@ -147,7 +147,7 @@ class FusedSwiGLUMLP(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.gate_up_proj) is not nn.Linear:
+        if type(self.gate_up_proj) is not nn.Linear and hasattr(self.gate_up_proj, "base_layer"):  # a PEFT layer
             _say_gate_up_is_wrapped(self.gate_up_proj)
         gate_up = self.gate_up_proj(x)
         act = swiglu_dropout(gate_up, self.dropout if self.training else 0.0, impl=self.impl, rounding=self.rounding)
