@@ -54,7 +54,8 @@ from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_conf
 from ds_loongforge.integrations.fused_loss import KIND_FUSED_LOSS, install_fused_loss, uses_fused_loss  # noqa: F401
 from ds_loongforge.integrations.residual import KIND_RESIDUAL, fuse_residual_adds, residual_problem
 from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
-from ds_loongforge.modules.norm_mlp import FusedRMSNorm, FusedSwiGLUMLP, gate_up_trainability_problem
+from ds_loongforge.modules.norm_mlp import (FusedRMSNorm, FusedSwiGLUMLP, gate_up_trainability_problem,
+                                            is_peft_wrapper)
 from ds_loongforge.modules.qkv import FusedQKVLinear, fuse_qkv, qkv_problem
 
 logger = logging.getLogger("ds_loongforge")
@@ -441,7 +442,7 @@ def _build_moe(block: nn.Module, preset, config: LoongForgeConfig, report: Injec
     """(replacement, None) or (None, reason)."""
     spec = preset.moe
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
-    if hasattr(experts, "base_layer"):  # a PEFT tuner layer (LoRA's ParamWrapper via target_parameters)
+    if is_peft_wrapper(experts):  # LoRA's ParamWrapper via target_parameters
         return None, (f"experts are wrapped by {type(experts).__name__} (PEFT adapters on the expert weights); "
                       "the block stays the family's own so that the adapters take effect")
     gate_up_EIH, down_EHI = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)

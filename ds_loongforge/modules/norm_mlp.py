@@ -147,7 +147,7 @@ class FusedSwiGLUMLP(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.gate_up_proj) is not nn.Linear and hasattr(self.gate_up_proj, "base_layer"):  # a PEFT layer
+        if type(self.gate_up_proj) is not nn.Linear and is_peft_wrapper(self.gate_up_proj):
             _say_gate_up_is_wrapped(self.gate_up_proj)
         gate_up = self.gate_up_proj(x)
         act = swiglu_dropout(gate_up, self.dropout if self.training else 0.0, impl=self.impl, rounding=self.rounding)
@@ -155,6 +155,12 @@ class FusedSwiGLUMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, impl={self.impl!r}, rounding={self.rounding!r}"
+
+
+def is_peft_wrapper(module) -> bool:
+    """Whether ``module`` is a PEFT tuner layer (LoRA's Linear, ParamWrapper, ...): each holds the module it
+    adapts as ``base_layer``."""
+    return hasattr(module, "base_layer")
 
 
 def _say_gate_up_is_wrapped(wrapper: nn.Module) -> None:
