@@ -137,7 +137,8 @@ setup(
     ],
     # accelerate: the HF Trainer test; matplotlib: the benchmarks' plots (bench_e2e's smoke test draws one)
     extras_require={"test": ["pytest", "accelerate", "matplotlib", "peft==0.21.2"], "bench": ["matplotlib"]},
-    entry_points={"console_scripts": ["loongforge_report=ds_loongforge.report:main"]},
+    entry_points={"console_scripts": ["loongforge_report=ds_loongforge.report:main",
+                                        "loongforge_export=ds_loongforge.export:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

@@ -46,7 +46,9 @@ parameters counted k/E) + 12 x layers x hidden x seq-len for attention scores (c
 on CPU.
 
 Checkpoints: ``--save-dir D --save-every N`` writes DeepSpeed checkpoints (tag ``step<N>``, plus one at the
-end); ``--resume`` continues from D's latest tag: weights, optimizer, step counter and sampler position.
+end) and the model's config.json beside them; ``--resume`` continues from D's latest tag: weights, optimizer, step
+counter and sampler position. ``loongforge_export D OUT`` writes the trained model (fp32 masters, transformers'
+keys, experts of every expert-parallel rank) to a folder ``from_pretrained`` loads.
 The last line on stdout (rank 0) is a JSON summary.
 """
 
@@ -632,6 +634,8 @@ def main(argv=None) -> dict:
     def save(step: int) -> None:
         engine.save_checkpoint(args.save_dir, tag=f"step{step}",
                                client_state={"step": step, "data": stream.state_dict(pending=batches.pending)})
+        if rank == 0:  # beside 'latest': loongforge_export writes a folder from_pretrained loads
+            engine.module.config.save_pretrained(args.save_dir)
 
     from tqdm import tqdm
 

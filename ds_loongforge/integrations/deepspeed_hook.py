@@ -137,6 +137,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     apply_op_settings(config)
     if config.moe.ep_size > 1:
         _init_distributed(call, config.moe.ep_size)
+        _expert_groups_in_config_layout(ds_config, config.moe.ep_size)
 
     params_before = dict(model.named_parameters())
     inject(model, config)
@@ -225,7 +226,9 @@ def _explain_expert_files_on_load(engine) -> None:
                 f"[LoongForge] {os.path.join(load_dir, str(tag))} was saved with expert parallelism: its experts are "
                 f"in {len(expert_files)} per-expert files, which DeepSpeed reads only into a model with MoE layers, "
                 "and this model was injected with loongforge.moe.ep_size 1 (plain ExpertMaskedMoE layers, the "
-                "experts under their transformers keys). Load it with the moe.ep_size > 1 it was saved with") from error
+                "experts under their transformers keys). Load it with the moe.ep_size > 1 it was saved with, or start "
+                "from its weights: loongforge_export CHECKPOINT OUT writes them (fp32 masters, every expert) as a "
+                "folder from_pretrained loads") from error
 
     engine.load_checkpoint = load_checkpoint
 
@@ -248,6 +251,18 @@ def _init_distributed(call: dict, ep_size: int) -> None:
                                dist_init_required=call.get("dist_init_required"))
     logger.info("[LoongForge] torch.distributed initialised before inject (moe.ep_size=%d), as "
                 "deepspeed.initialize would have", ep_size)
+
+
+def _expert_groups_in_config_layout(ds_config: dict, ep_size: int) -> None:
+    """DeepSpeed's expert groups for ep_size in the layout the config asks for (``use_data_before_expert_parallel``),
+    created before inject: inject's layers look their group up by name (``ep_size_<n>``) and copy the experts of
+    their rank in it, and whichever call creates a name fixes its layout for the process, the engine's included.
+    Created by the layers, they would take DeepSpeed's default layout whatever the config says."""
+    from deepspeed.runtime.config import get_expert_data_topo_config
+
+    from ds_loongforge.modules.moe_deepspeed import expert_parallel_group
+
+    expert_parallel_group(ep_size, bool(get_expert_data_topo_config(ds_config)))
 
 
 def _start_profiler(engine, report_every: int) -> None:

@@ -33,7 +33,8 @@ What DeepSpeed 0.19.8's engine needs from an MoE layer, and how this file provid
   layers of another ep_size, 1 included (module states; the optimizer's partitions follow the ep_size). A
   model injected with ``moe.ep_size`` 1 holds plain ExpertMaskedMoE layers, which DeepSpeed does not see as
   MoE: its engine reads no per-expert files, so it cannot load an expert-parallel checkpoint (the engine's
-  ``load_checkpoint`` says so: integrations.deepspeed_hook).
+  ``load_checkpoint`` says so: integrations.deepspeed_hook); ``ds_loongforge.export`` writes the checkpoint's
+  weights, every expert's fp32 master, under the transformers keys such a model loads.
 - Gradient norm and clipping. ZeRO-1/2 get it right under expert parallelism
   (``DeepSpeedZeroOptimizer.get_grad_norm_direct`` sums every partition's squares over the whole
   data-parallel group, and each expert partition lives on exactly one rank of it). Without ZeRO two paths

@@ -159,9 +159,16 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
         logger.info("[LoongForge] FusedAdamWClip takes the script's %s: its %d parameter groups with their lr, betas, "
                     "eps and weight decay (an LR scheduler built on it keeps setting the lr)", type(client).__name__,
                     len(params))
-    optimizer = deepspeed_optimizer(params, config, impl=impl)
     expert_parallel = _has_expert_groups(params) or any(getattr(p, "allreduce", True) is False
                                                         for p in model.parameters())
+    if expert_parallel and not _has_expert_groups(params):
+        # ZeRO reduces expert parameters over their expert-data-parallel group only from groups marked 'moe' (and
+        # asserts without one); DeepSpeed splits them itself only for an optimizer of its own config, so an
+        # unmodified script's model.parameters() are split here
+        from ds_loongforge.modules.moe_deepspeed import moe_param_groups
+
+        params = moe_param_groups(params)
+    optimizer = deepspeed_optimizer(params, config, impl=impl)
     result = deepspeed.initialize(model=model, optimizer=optimizer,
                                   config=deepspeed_config_for(config, expert_parallel), **kwargs)
     attach(result[0], optimizer)

@@ -102,6 +102,25 @@ report(engine.module, trainer.optimizer, engine)
 leave()
 """
 
+# the HF Trainer on 2 ranks with expert parallelism, saving a checkpoint; each rank also saves DeepSpeed's own
+# assembly of its fp32 masters, which the exported checkpoint must equal
+TRAINER_EP_SCRIPT = MODEL_SNIPPET + """
+from deepspeed.utils import safe_get_full_fp32_param
+from transformers import Trainer, TrainingArguments
+
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]
+args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_steps=2, per_device_train_batch_size=2,
+                         learning_rate=1e-3, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True)
+trainer = Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+engine = trainer.model_wrapped
+masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+ep_rank = next(m.ep_rank for m in engine.module.modules() if type(m).__name__ == "DeepSpeedExpertMaskedMoE")
+torch.save({"masters": masters, "ep_rank": ep_rank}, f"{sys.argv[2]}/masters{torch.distributed.get_rank()}.pt")
+report(engine.module, trainer.optimizer, engine)
+leave()
+"""
+
 DS_BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0}}
 HF_BASE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "zero_optimization": {"stage": 0}}
@@ -314,6 +333,39 @@ def test_expert_parallel_from_the_block_alone(tmp_path, autoload_installed):
         assert result["optimizer_params_in_model"]
     assert "[LoongForge] torch.distributed initialised before inject (moe.ep_size=2)" in output
     assert "[LoongForge] DeepSpeedExpertMaskedMoE: 2 modules" in output
+
+
+def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, trainer_with_deepspeed):
+    """The HF Trainer on 2 ranks with moe.ep_size 2 and FusedAdamWClip from the block alone (its AdamW's groups
+    had no 'moe' group, which ZeRO asserts on), then its checkpoint through loongforge_export: the Trainer's own
+    model.safetensors holds rank 0's experts only, the export every expert's fp32 master as DeepSpeed assembles
+    it, in a folder from_pretrained loads."""
+    import torch
+    from transformers import MixtralForCausalLM
+
+    script = _write(tmp_path, "train_hf_ep.py", TRAINER_EP_SCRIPT)
+    config = _write(tmp_path, "hf_ep.json", json.dumps({**HF_BASE, "zero_optimization": {"stage": 2},
+                                                        "gradient_clipping": 1.0, "loongforge": {
+        "enabled": True, "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": True}}}))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(script), str(config), str(out)], cwd=tmp_path, env=_env({}),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    assert "[LoongForge] FusedAdamWClip takes the script's AdamW" in output
+
+    exported = subprocess.run([sys.executable, "-m", "ds_loongforge.export", str(out / "checkpoint-2"),
+                               str(tmp_path / "hf")], env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert exported.returncode == 0, exported.stdout[-3000:] + exported.stderr[-3000:]
+    model, info = MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    ranks = {r["ep_rank"]: r["masters"] for r in (torch.load(out / f"masters{rank}.pt") for rank in range(2))}
+    assert sorted(ranks) == [0, 1]
+    state = model.state_dict()
+    for name, master in ranks[0].items():
+        want = torch.cat([ranks[0][name], ranks[1][name]]) if ".experts." in name else master
+        assert torch.equal(state[name], want), name
 
 
 def test_library_entry_points_are_lazy():

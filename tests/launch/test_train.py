@@ -145,20 +145,33 @@ def test_no_loongforge_runs_stock(tmp_path):
     assert summary["step_times"] == [] and summary["median_step_s_last_half"] is None and summary["mfu"] is None
 
 
-def test_deepspeed_launcher_two_cpu_processes_expert_parallel():
+def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path):
     launcher = Path(sys.executable).parent / "deepspeed"
     if not launcher.exists():
         pytest.skip(f"no deepspeed launcher next to {sys.executable}")
     # 57 held-out sequences and up to 8 eval batches a rank: split by rank alone, rank 0 got one batch more than
     # rank 1 and waited in its expert-parallel exchange while rank 1 was in the eval loss's all-reduce (a hang)
+    ckpt = tmp_path / "ckpt"
     summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), *FAST,
                         "--deepspeed_config", "ds_configs/multi_gpu_ep.json", "--steps", "2", "--max-documents", "30",
-                        "--eval-fraction", "0.1", "--eval-batches", "8"])
+                        "--eval-fraction", "0.1", "--eval-batches", "8", "--save-dir", str(ckpt)])
     assert "57 eval sequences" in summary["_log"]
     _assert_finite(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 2 and summary["bf16"], summary
     assert summary["optimizer"] == "FusedAdamWClip", summary["optimizer"]
     assert "DeepSpeedExpertMaskedMoE: 2 modules" in summary["_log"]
+
+    # the expert-parallel checkpoint out as a transformers model: every expert, fp32 masters (tests/test_export.py
+    # checks them bit for bit against DeepSpeed's own assembly)
+    proc = subprocess.run([sys.executable, "-m", "ds_loongforge.export", str(ckpt), str(tmp_path / "hf")], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "MixtralForCausalLM"
+    from transformers import MixtralForCausalLM
+
+    model, info = MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == model.config.num_local_experts
 
 
 # --- in process ------------------------------------------------------------------------------------------------

@@ -1,0 +1,362 @@
+"""``loongforge_export CHECKPOINT OUTPUT``: a DeepSpeed checkpoint of a ds_loongforge model, expert-parallel or
+not, to the model's weights under transformers' keys (the fp32 masters by default), in a folder that
+``from_pretrained`` loads.
+
+What DeepSpeed's own tools do with such a checkpoint, and what this adds:
+
+- ``zero_to_fp32`` concatenates every rank's ZeRO partition of every optimizer group. Under expert parallelism an
+  expert group is partitioned over one expert-data-parallel group, and the ranks of an expert-parallel group hold
+  different experts, so it cannot rebuild them (it stops at the per-expert files); ``ds_to_universal`` knows
+  AutoEP's layers only.
+- It names tensors as the engine's parameters. An injected FusedSwiGLUMLP's parameter is ``gate_up_proj.weight``,
+  a key stock transformers does not know. Here the keys are the model's ``state_dict()`` keys, as the
+  checkpoint's module file holds them (``gate_proj`` / ``up_proj``), and the experts are stacked over all ranks
+  as transformers stacks them (``experts.gate_up_proj`` [E, 2I, H]).
+
+How (ZeRO-1/2, the stages DeepSpeed runs MoE layers under): each optimizer group's fp32 partitions come from the
+``*_optim_states.pt`` files. A dense group is unflattened from all ranks' partitions in rank order (DeepSpeed's
+``zero_to_fp32._zero2_merge_trainable_params``); an expert group from the ranks of each expert-data-parallel
+group (the layout of ``deepspeed.utils.groups``, with the config's ``use_data_before_expert_parallel``), once per
+expert-parallel rank, and the ranks' local experts are concatenated in expert-parallel rank order (rank e holds
+experts [e * E/ep, (e + 1) * E/ep), as DeepSpeed numbers its per-expert files).
+
+Then every tensor is checked against the weights the model ran with: the module file and the per-expert files
+hold each master rounded to the training dtype, bit for bit. A layout read wrong, a file from another run or a
+missing rank is an error naming the key, never a silently wrong tensor. Frozen parameters and buffers have no
+master and come from those files (upcast to fp32: exact). ``source="module"`` exports those files' weights
+alone, in the training dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import io
+import json
+import logging
+import os
+import re
+import sys
+from types import SimpleNamespace
+
+import torch
+
+logger = logging.getLogger("ds_loongforge")
+
+SOURCES = ("masters", "module")
+MODEL_FILE = "mp_rank_00_model_states.pt"
+# DeepSpeedEngine._get_expert_ckpt_name / _get_zero_ckpt_name (bf16_ / fp16 prefixes vary by optimizer)
+EXPERT_FILE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_00_model_states\.pt$")
+ZERO_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_00_optim_states\.pt$")
+EXPERT_KEY = re.compile(r"^(?P<module>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<expert>\d+)\."
+                        r"(?P<param>[^.]+)$")
+
+
+class CheckpointExportError(ValueError):
+    """The checkpoint cannot be exported as asked; the message names the file or key and the fix."""
+
+
+def checkpoint_folder(checkpoint_dir: str, tag: str | None = None) -> str:
+    """The folder of one saved step: ``checkpoint_dir/tag``, the tag in ``checkpoint_dir/latest``, or
+    ``checkpoint_dir`` itself when it holds the model file."""
+    if tag is not None:
+        folder = os.path.join(checkpoint_dir, str(tag))
+    elif os.path.isfile(os.path.join(checkpoint_dir, "latest")):
+        with open(os.path.join(checkpoint_dir, "latest")) as f:
+            folder = os.path.join(checkpoint_dir, f.read().strip())
+    else:
+        folder = checkpoint_dir
+    if not os.path.isfile(os.path.join(folder, MODEL_FILE)):
+        raise CheckpointExportError(
+            f"no DeepSpeed checkpoint at {folder}: {MODEL_FILE} is missing (pass the folder that engine.save_checkpoint "
+            "wrote, holding a 'latest' file, or the tag's own folder, or name the tag)")
+    return folder
+
+
+def _load(path: str) -> dict:
+    # DeepSpeed's files hold its own objects (config enums, fragment addresses): not loadable with weights_only
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _model_states(folder: str) -> dict:
+    states = _load(os.path.join(folder, MODEL_FILE))
+    dims = states.get("checkpoint_parallel_dimensions") or {}
+    if states.get("mp_world_size", 1) != 1 or dims.get("tp_degree", 1) != 1 or dims.get("pp_degree", 1) != 1:
+        raise CheckpointExportError(
+            f"{folder} was saved with tensor or pipeline parallelism (mp_world_size {states.get('mp_world_size')}, "
+            f"{dims}); only data and expert parallelism are supported")
+    if states.get("module") is None:
+        raise CheckpointExportError(f"{folder}: {MODEL_FILE} holds no module state (a pipeline checkpoint?)")
+    return states
+
+
+def saved_weights(folder: str, model_states: dict | None = None) -> dict[str, torch.Tensor]:
+    """The weights the model ran with, as the checkpoint holds them (the training dtype), under the model's
+    state-dict keys: the module file's dense tensors, and each MoE layer's per-expert files stacked in global
+    expert order under the stacked name (``<experts>.gate_up_proj`` [E, 2I, H], ``<experts>.down_proj``)."""
+    from ds_loongforge.modules.moe_deepspeed import EXPERT_PARAM_NAMES
+
+    states = model_states if model_states is not None else _model_states(folder)
+    weights = dict(states["module"])
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    layers: dict[int, str] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "layer_*_expert_*_mp_rank_00_model_states.pt"))):
+        name = os.path.basename(path)
+        match = EXPERT_FILE.match(name)
+        if match is None:
+            raise CheckpointExportError(f"{path}: not a per-expert file name DeepSpeed writes")
+        expert = int(match["expert"])
+        for key, tensor in _load(path).items():
+            parsed = EXPERT_KEY.match(key)
+            if parsed is None or parsed["param"] not in EXPERT_PARAM_NAMES:
+                raise CheckpointExportError(
+                    f"{path} holds {key}, not a ds_loongforge stacked expert weight "
+                    f"(<experts>.{EXPERT_PARAM_NAMES[0]} or .{EXPERT_PARAM_NAMES[1]}); DeepSpeed's own MoE layers "
+                    "are not supported here")
+            if int(parsed["expert"]) != expert:
+                raise CheckpointExportError(f"{path} holds expert {parsed['expert']}'s {key}")
+            if layers.setdefault(int(match["layer"]), parsed["module"]) != parsed["module"]:
+                raise CheckpointExportError(f"{path}: layer {match['layer']} holds experts of two modules")
+            experts.setdefault(f"{parsed['module']}.{parsed['param']}", {})[expert] = tensor
+    num_experts = states.get("num_experts") or []
+    for key, by_expert in experts.items():
+        ids = sorted(by_expert)
+        layer = next(layer for layer, module in layers.items() if key.startswith(module + "."))
+        want = num_experts[layer] if layer < len(num_experts) else len(ids)
+        if ids != list(range(want)):
+            missing = sorted(set(range(want)) - set(ids))
+            raise CheckpointExportError(
+                f"{folder}: {key} is missing the files of experts {missing} of {want} "
+                f"(layer_{layer}_expert_<id>_mp_rank_00_model_states.pt); the checkpoint is incomplete")
+        weights[key] = torch.stack([by_expert[e] for e in ids])
+    return weights
+
+
+def _zero_files(folder: str, world: int) -> list[str]:
+    ranks = {}
+    for path in glob.glob(os.path.join(folder, "*_optim_states.pt")):
+        match = ZERO_FILE.match(os.path.basename(path))
+        if match:
+            ranks[int(match["rank"])] = path
+    if ranks and sorted(ranks) != list(range(world)):
+        raise CheckpointExportError(
+            f"{folder} was saved by {world} data-parallel ranks but holds the ZeRO optimizer files of ranks "
+            f"{sorted(ranks)}: those of {sorted(set(range(world)) - set(ranks))} are missing")
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def _unflatten(partitions: list[torch.Tensor], shapes: dict, paddings: list | None) -> dict[str, torch.Tensor]:
+    """One optimizer group's fp32 parameters from its ZeRO partitions in partition order, by DeepSpeed's own
+    unflatten (which checks the consumed size against the partitions' padded size)."""
+    from deepspeed.utils import zero_to_fp32
+
+    out: dict[str, torch.Tensor] = {}
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        zero_to_fp32._zero2_merge_trainable_params(out, len(partitions), [[p] for p in partitions],
+                                                   [SimpleNamespace(param_shapes=[shapes])],
+                                                   None if paddings is None else [paddings])
+    logger.debug("[LoongForge] export: %s", said.getvalue().strip())
+    return out
+
+
+def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, torch.Tensor]:
+    """The optimizer's fp32 master of every trainable parameter of a ZeRO-1/2 checkpoint, under the engine's
+    parameter names, each expert parameter with all E experts. Empty when the checkpoint has no ZeRO optimizer
+    files (ZeRO-0, or saved without the optimizer)."""
+    from deepspeed.runtime.config import get_expert_data_topo_config
+    from deepspeed.utils import groups
+
+    states = model_states if model_states is not None else _model_states(folder)
+    world = int(states["dp_world_size"])
+    files = _zero_files(folder, world)
+    if not files:
+        return {}
+    optim = [_load(path)["optimizer_state_dict"] for path in files]
+    stage = int(optim[0]["zero_stage"])
+    if stage not in (1, 2):
+        raise CheckpointExportError(f"{folder}: ZeRO stage {stage} checkpoints are not supported (ZeRO-1/2 are; "
+                                    "DeepSpeed runs MoE layers under those only)")
+    shapes = states["param_shapes"]
+    counts = optim[0]["partition_count"]
+    counts = counts if isinstance(counts, list) else [counts] * len(shapes)
+    paddings = optim[0].get("param_alignment_paddings")
+    before = bool(get_expert_data_topo_config(states.get("ds_config") or {}))
+    masters: dict[str, torch.Tensor] = {}
+    for g, group_shapes in enumerate(shapes):
+        partitions = [o["single_partition_of_fp32_groups"][g] for o in optim]
+        group_paddings = None if paddings is None else paddings[g]
+        if counts[g] == world:
+            masters.update(_unflatten(partitions, group_shapes, group_paddings))
+            continue
+        if world % counts[g]:
+            raise CheckpointExportError(f"{folder}: optimizer group {g} is partitioned {counts[g]} ways over "
+                                        f"{world} ranks, which no expert-parallel size gives")
+        ep_size = world // counts[g]
+        expert_parallel, expert_data_parallel = groups._get_expert_parallel_ranks(
+            world, 1, ep_size, 1, use_data_before_expert_parallel_=before)
+        ep_rank = {rank: i for members in expert_parallel for i, rank in enumerate(members)}
+        local = [None] * ep_size
+        for members in expert_data_parallel:
+            holders = {ep_rank[rank] for rank in members}
+            assert len(holders) == 1, (members, holders)
+            local[holders.pop()] = _unflatten([partitions[rank] for rank in members], group_shapes, group_paddings)
+        for name in group_shapes:
+            masters[name] = torch.cat([local[e][name] for e in range(ep_size)])
+    return masters
+
+
+def _name_in_saved(name: str, tensor: torch.Tensor, saved: dict) -> dict[str, torch.Tensor]:
+    """An engine parameter under the saved state's keys: itself, or a FusedSwiGLUMLP's fused gate_up split back
+    into gate_proj / up_proj by the module's own state-dict hook."""
+    from ds_loongforge.modules.norm_mlp import _split_gate_up_state
+
+    if name in saved:
+        return {name: tensor}
+    prefix, fused, kind = name.rpartition("gate_up_proj.")
+    if fused and kind in ("weight", "bias") and f"{prefix}gate_proj.{kind}" in saved:
+        state = {name: tensor}
+        _split_gate_up_state(None, state, prefix, None)
+        return state
+    raise CheckpointExportError(f"the optimizer holds {name}, which the checkpoint's module state does not (nor "
+                                "as a fused gate_up_proj's gate_proj / up_proj): the files are not of one model")
+
+
+def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str = "masters"
+                    ) -> dict[str, torch.Tensor]:
+    """The model's state dict from a DeepSpeed checkpoint (see the module docstring): keys as the model's
+    ``state_dict()`` gives them (transformers' keys for an injected transformers model), experts stacked over
+    every expert-parallel rank. ``source="masters"``: trainable parameters are the optimizer's fp32 masters
+    (ZeRO-1/2, or fp32 training without ZeRO, whose weights are the masters), checked bit for bit against the
+    saved weights; frozen ones and buffers come from the saved weights in fp32. ``source="module"``: the saved
+    weights, in the dtype the model ran in."""
+    if source not in SOURCES:
+        raise CheckpointExportError(f"source={source!r}: must be one of {SOURCES}")
+    folder = checkpoint_folder(checkpoint_dir, tag)
+    states = _model_states(folder)
+    saved = saved_weights(folder, states)
+    if source == "module":
+        return saved
+    masters = fp32_masters(folder, states)
+    if not masters:
+        low = sorted({str(t.dtype) for t in saved.values() if t.is_floating_point() and t.dtype != torch.float32})
+        if low:
+            raise CheckpointExportError(
+                f"{folder} holds no ZeRO optimizer files and its weights are {', '.join(low)}: the fp32 masters "
+                "are not in it (ZeRO-0 keeps them in the optimizer's own layout, or the optimizer was not saved). "
+                "Export the weights the model ran with (source='module', --source module), or train with ZeRO-1/2")
+        masters = {k: v for k, v in saved.items() if k not in states.get("buffer_names", ())}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in masters.items():
+        out.update(_name_in_saved(name, tensor, saved))
+    for alias, target in (states.get("shared_params") or {}).items():
+        if target in out:
+            out[alias] = out[target]
+    mismatched = []
+    for key, tensor in out.items():
+        want = saved[key]
+        if tensor.shape != want.shape or not torch.equal(tensor.to(want.dtype), want):
+            diff = ("shape " + str(tuple(tensor.shape)) if tensor.shape != want.shape
+                    else f"max |diff| {(tensor.double() - want.double()).abs().max().item():.3g}")
+            mismatched.append(f"{key} ({diff})")
+    if mismatched:
+        raise CheckpointExportError(
+            f"{folder}: {len(mismatched)} fp32 masters do not round to the weights saved beside them: "
+            f"{', '.join(mismatched[:5])}{' ...' if len(mismatched) > 5 else ''}. The files are not of one "
+            "save (an overwritten or mixed checkpoint?); source='module' exports the saved weights alone")
+    for key, tensor in saved.items():
+        if key not in out:  # frozen parameters and buffers: no master; fp32 holds them exactly
+            out[key] = tensor.float() if tensor.is_floating_point() else tensor
+    return {key: out[key] for key in saved}
+
+
+def _hf_config_path(checkpoint_dir: str, folder: str, config: str | None) -> str | None:
+    if config is not None:
+        return config
+    for where in (folder, checkpoint_dir):
+        if os.path.isfile(os.path.join(where, "config.json")):
+            return where
+    return None
+
+
+def _save_pretrained(state: dict, config_path: str, output_dir: str, max_shard_size: str) -> str:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_path)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    with torch.device("meta"):
+        if architecture and hasattr(transformers, architecture):
+            model = getattr(transformers, architecture)._from_config(config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointExportError(
+            f"the checkpoint's weights do not fit {type(model).__name__} built from {config_path}: missing "
+            f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]} (pass the model's own config "
+            "with --config, or none to write the bare state dict)")
+    model.save_pretrained(output_dir, max_shard_size=max_shard_size)
+    return type(model).__name__
+
+
+def _save_safetensors(state: dict, output_dir: str, max_shard_size: str) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    seen, unique = set(), {}
+    for key, tensor in state.items():  # tied weights share storage, which safetensors refuses
+        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        unique[key] = tensor.clone() if ptr in seen else tensor.contiguous()
+        seen.add(ptr)
+    split = split_torch_state_dict_into_shards(unique, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: unique[k] for k in keys}, os.path.join(output_dir, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+
+
+def export(checkpoint_dir: str, output_dir: str, tag: str | None = None, *, source: str = "masters",
+           config: str | None = None, max_shard_size: str = "5GB") -> dict:
+    """Write the checkpoint's state dict (``load_state_dict``) to ``output_dir``: with a transformers config
+    (``config``, else a config.json in the step's folder or in ``checkpoint_dir``, which launch/train.py
+    writes) through ``save_pretrained`` after a strict key check, so ``from_pretrained(output_dir)`` loads it;
+    without one as ``model.safetensors`` (sharded above ``max_shard_size``). Returns a summary."""
+    folder = checkpoint_folder(checkpoint_dir, tag)
+    state = load_state_dict(checkpoint_dir, tag, source=source)
+    os.makedirs(output_dir, exist_ok=True)
+    config_path = _hf_config_path(checkpoint_dir, folder, config)
+    model = _save_pretrained(state, config_path, output_dir, max_shard_size) if config_path else None
+    if model is None:
+        _save_safetensors(state, output_dir, max_shard_size)
+    return {"checkpoint": folder, "output": output_dir, "source": source, "tensors": len(state),
+            "elements": sum(t.numel() for t in state.values()),
+            "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in state.values()}),
+            "model": model, "config": config_path}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loongforge_export", description=__doc__.splitlines()[0].strip("`: "))
+    parser.add_argument("checkpoint_dir", help="the folder engine.save_checkpoint wrote (with 'latest'), or a step's")
+    parser.add_argument("output_dir", help="where the weights go (created)")
+    parser.add_argument("--tag", help="the step's tag (default: the one in 'latest')")
+    parser.add_argument("--source", choices=SOURCES, default="masters",
+                        help="masters: the optimizer's fp32 masters (default); module: the weights the model ran "
+                             "with, in the training dtype")
+    parser.add_argument("--config", help="a transformers config.json or model folder (default: a config.json in "
+                                         "the checkpoint folder); without one, a bare model.safetensors is written")
+    parser.add_argument("--max-shard-size", default="5GB")
+    args = parser.parse_args(argv)
+    try:
+        summary = export(args.checkpoint_dir, args.output_dir, args.tag, source=args.source, config=args.config,
+                         max_shard_size=args.max_shard_size)
+    except CheckpointExportError as error:
+        print(f"loongforge_export: error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""ds_loongforge.export (``loongforge_export``) on checkpoints of real training runs (CPU, gloo, 4 processes).
+
+- Expert-parallel checkpoints of an injected Mixtral (ZeRO-2 bf16 + FusedAdamWClip with ep_size 2 in both of
+  DeepSpeed's group layouts, ZeRO-1 fp32 with DeepSpeed's AdamW and ep_size 4, ep_size 1): the export equals,
+  bit for bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each
+  rank, every expert-parallel rank's experts concatenated in order), under transformers' keys, and loads
+  strictly into stock MixtralForCausalLM; ``from_pretrained`` reads the written folder back.
+- A dense injected Llama (fused gate/up MLP, tied embeddings, one frozen weight): the fused gate_up master comes
+  out as transformers' gate_proj / up_proj, the tied lm_head as the embedding's master, the frozen weight as
+  saved.
+- What must be an error: a missing rank's optimizer file, a missing expert's file, files of two different saves,
+  ZeRO-0 16-bit checkpoints asked for masters (their weights export with source="module").
+"""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import deepspeed  # noqa: F401  (an install requirement: a missing one must fail, not skip)
+
+from ds_loongforge.export import CheckpointExportError, export, load_state_dict, main
+from tests._dist import spawn_with_deadline
+
+WORLD = 4
+VOCAB, STEPS = 64, 2
+SPAWN_TIMEOUT_S = 300
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=32)
+
+
+def _llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                       tie_word_embeddings=True)
+
+
+def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, data_before: bool = False) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1, "torch_adam": True}},
+              "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"rmsnorm": True, "swiglu": True},
+                             "moe": {"ep_size": ep_size}, "optimizer": {"fused_adamw_clip": fused_adamw_clip},
+                             "sampler": {"expert_aware": False}}}
+    if data_before:
+        config["use_data_before_expert_parallelism"] = True
+    return config
+
+
+# name -> (model, DeepSpeed config); every rank runs them in this order, each with a fresh engine
+RUNS = {
+    "zero2_bf16_ep2": ("mixtral", _ds_config(2, True, 2, True)),
+    "zero2_bf16_ep2_data_before_expert": ("mixtral", _ds_config(2, True, 2, True, data_before=True)),
+    "zero1_fp32_ep4": ("mixtral", _ds_config(1, False, 4, False)),
+    "zero2_bf16_ep1": ("mixtral", _ds_config(2, True, 1, True)),
+    "zero2_bf16_llama": ("llama", _ds_config(2, True, 1, True)),
+}
+FROZEN = "model.layers.0.self_attn.q_proj.weight"  # frozen in the llama run
+
+
+def _forget_expert_groups() -> None:
+    """DeepSpeed keeps one expert group per name (ep_size_<n>) for the life of the process, in the layout of
+    the call that made it; the runs here ask for two layouts of ep_size 2 in one process."""
+    from deepspeed.utils import groups
+
+    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()
+
+
+def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    from deepspeed.utils import safe_get_full_fp32_param
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
+
+    import ds_loongforge
+    from ds_loongforge.modules.moe import ExpertMaskedMoE
+
+    results = {}
+    for name, (family, config) in RUNS.items():
+        _forget_expert_groups()
+        torch.manual_seed(seed)
+        if family == "mixtral":
+            model = MixtralForCausalLM(_mixtral())
+        else:
+            model = LlamaForCausalLM(_llama())
+            model.get_parameter(FROZEN).requires_grad_(False)
+        engine, *_ = ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
+        g = torch.Generator().manual_seed(seed + 1 + rank)
+        for _ in range(STEPS):
+            ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        engine.save_checkpoint(os.path.join(ckpt_root, name), tag=f"step{STEPS}")
+        # DeepSpeed's own assembly of each master from its ZeRO partitions (a collective, in the same order on
+        # every rank); frozen parameters have none
+        masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+        moe = [m for m in engine.module.modules() if isinstance(m, ExpertMaskedMoE)]
+        results[name] = {
+            "masters": {n: m.detach().clone() for n, m in masters.items() if m is not None},
+            "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "ep_rank": moe[0].ep_rank if moe else 0,
+        }
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Checkpoints of every run in RUNS and each rank's run-time masters."""
+    root = tmp_path_factory.mktemp("export")
+    seed = int(torch.randint(0, 2**31, ()))
+    spawn_with_deadline(_train_and_save, WORLD, seed, str(root / "ckpt"), str(root), timeout_s=SPAWN_TIMEOUT_S)
+    ranks = [torch.load(root / f"rank{rank}.pt") for rank in range(WORLD)]
+    return root, ranks
+
+
+def _expected(ranks: list, name: str, ep_size: int) -> dict:
+    """The run-time masters as one model: dense ones equal on every rank, experts concatenated over the
+    expert-parallel ranks (equal on the ranks of one expert-data-parallel group)."""
+    expected = {}
+    for key, value in ranks[0][name]["masters"].items():
+        if ep_size > 1 and ".experts." in key:
+            by_ep_rank = {}
+            for result in ranks:
+                held = by_ep_rank.setdefault(result[name]["ep_rank"], result[name]["masters"][key])
+                assert torch.equal(held, result[name]["masters"][key]), (name, key)
+            assert sorted(by_ep_rank) == list(range(ep_size)), (name, sorted(by_ep_rank))
+            expected[key] = torch.cat([by_ep_rank[e] for e in range(ep_size)])
+        else:
+            for result in ranks:
+                assert torch.equal(result[name]["masters"][key], value), (name, key)
+            expected[key] = value
+    return expected
+
+
+@pytest.mark.parametrize("name", [n for n, (family, _) in RUNS.items() if family == "mixtral"])
+def test_mixtral_export_is_deepspeeds_fp32_masters(trained, name):
+    from transformers import MixtralForCausalLM
+
+    root, ranks = trained
+    ep_size = RUNS[name][1]["loongforge"]["moe"]["ep_size"]
+    expected = _expected(ranks, name, ep_size)
+    got = load_state_dict(str(root / "ckpt" / name))
+    assert set(got) == set(expected)
+    for key, value in got.items():
+        assert value.dtype == torch.float32, key
+        assert torch.equal(value, expected[key]), f"{name}: {key} is not the optimizer's fp32 master"
+    assert got["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 48, 16)
+    MixtralForCausalLM(_mixtral()).load_state_dict(got, strict=True)
+    if name == "zero2_bf16_ep2_data_before_expert":
+        # the config's layout: expert-parallel groups [0, 2] and [1, 3], so rank 1 holds the first experts
+        assert [r[name]["ep_rank"] for r in ranks] == [0, 0, 1, 1]
+    elif ep_size == 2:
+        assert [r[name]["ep_rank"] for r in ranks] == [0, 1, 0, 1]
+
+
+def test_export_writes_a_folder_from_pretrained_reads(trained, tmp_path, capsys):
+    from transformers import MixtralForCausalLM
+
+    root, _ = trained
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt" / "zero2_bf16_ep2", checkpoint)
+    _mixtral().save_pretrained(checkpoint)  # beside 'latest', as launch/train.py writes it
+    assert main([str(checkpoint), str(tmp_path / "hf")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["model"] == "MixtralForCausalLM" and summary["dtypes"] == ["float32"], summary
+    loaded = MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    want = load_state_dict(str(checkpoint))
+    state = loaded.state_dict()
+    assert set(state) == set(want)
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key
+
+    # no config: a bare safetensors state dict, sharded above max_shard_size
+    summary = export(str(root / "ckpt" / "zero2_bf16_ep2"), str(tmp_path / "bare"), max_shard_size="20KB")
+    assert summary["model"] is None
+    from safetensors.torch import load_file
+
+    index = json.loads((tmp_path / "bare" / "model.safetensors.index.json").read_text())
+    shards = {}
+    for filename in set(index["weight_map"].values()):
+        shards.update(load_file(tmp_path / "bare" / filename))
+    assert len(set(index["weight_map"].values())) > 1
+    assert set(shards) == set(want)
+    for key, value in want.items():
+        assert torch.equal(shards[key], value), key
+
+
+def test_dense_llama_export_has_transformers_keys(trained):
+    from transformers import LlamaForCausalLM
+
+    root, ranks = trained
+    name = "zero2_bf16_llama"
+    masters = _expected(ranks, name, 1)
+    got = load_state_dict(str(root / "ckpt" / name))
+    # the injected MLP trains one gate_up_proj [2I, H]: its master is gate_proj's rows, then up_proj's
+    for layer in range(2):
+        fused = masters.pop(f"model.layers.{layer}.mlp.gate_up_proj.weight")
+        masters[f"model.layers.{layer}.mlp.gate_proj.weight"], masters[f"model.layers.{layer}.mlp.up_proj.weight"] = \
+            fused.chunk(2)
+    masters["lm_head.weight"] = masters["model.embed_tokens.weight"]  # tied
+    assert FROZEN not in masters
+    masters[FROZEN] = ranks[0][name]["weights"][FROZEN].float()  # no master: the bf16 weight, exactly
+    assert set(got) == set(masters)
+    for key, value in got.items():
+        assert value.dtype == torch.float32 and torch.equal(value, masters[key]), key
+    LlamaForCausalLM(_llama()).load_state_dict(got, strict=True)
+
+
+def test_module_source_is_the_weights_the_model_ran_with(trained):
+    root, ranks = trained
+    name = "zero2_bf16_ep2"
+    got = load_state_dict(str(root / "ckpt" / name), source="module")
+    masters = load_state_dict(str(root / "ckpt" / name))
+    for key, value in got.items():
+        assert value.dtype == torch.bfloat16, key
+        if ".experts." in key:
+            held = {r[name]["ep_rank"]: r[name]["weights"][key] for r in ranks}
+            want = torch.cat([held[e] for e in range(2)])
+        else:
+            want = ranks[0][name]["weights"][key]
+        assert torch.equal(value, want), key
+        assert torch.equal(value, masters[key].to(torch.bfloat16))
+
+
+def _copy(trained, tmp_path, name="zero2_bf16_ep2"):
+    root, _ = trained
+    checkpoint = tmp_path / name
+    shutil.copytree(root / "ckpt" / name, checkpoint)
+    return checkpoint, checkpoint / f"step{STEPS}"
+
+
+def test_missing_optimizer_file_is_named(trained, tmp_path):
+    checkpoint, step = _copy(trained, tmp_path)
+    (step / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointExportError, match=r"ranks \[0, 1, 2\]: those of \[3\] are missing"):
+        load_state_dict(str(checkpoint))
+
+
+def test_missing_expert_file_is_named(trained, tmp_path):
+    checkpoint, step = _copy(trained, tmp_path)
+    (step / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointExportError, match=r"layers\.1\.mlp\.experts\.\w+ is missing the files of experts "
+                                                    r"\[2\] of 4"):
+        load_state_dict(str(checkpoint))
+
+
+def test_files_of_two_saves_are_an_error(trained, tmp_path):
+    """An expert file of another run (here: the ep_size 2 run in the other layout, whose experts differ) beside
+    this run's optimizer files: the masters do not round to it."""
+    root, _ = trained
+    checkpoint, step = _copy(trained, tmp_path)
+    other = root / "ckpt" / "zero2_bf16_ep2_data_before_expert" / f"step{STEPS}"
+    expert_file = "layer_0_expert_3_mp_rank_00_model_states.pt"
+    assert not torch.equal(*(next(iter(torch.load(d / expert_file).values())) for d in (step, other)))
+    shutil.copy(other / expert_file, step / expert_file)
+    with pytest.raises(CheckpointExportError, match=r"fp32 masters do not round to the weights saved beside them: "
+                                                    r"model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        load_state_dict(str(checkpoint))
+    load_state_dict(str(checkpoint), source="module")  # the saved weights alone are what they are
+
+
+def test_not_a_checkpoint_and_bad_source(tmp_path, trained):
+    with pytest.raises(CheckpointExportError, match="mp_rank_00_model_states.pt is missing"):
+        load_state_dict(str(tmp_path))
+    root, _ = trained
+    with pytest.raises(CheckpointExportError, match="source='fp16': must be one of"):
+        load_state_dict(str(root / "ckpt" / "zero2_bf16_ep2"), source="fp16")
+    assert main([str(tmp_path), str(tmp_path / "out")]) == 1
