@@ -1,13 +1,14 @@
 """ds_loongforge.export (``loongforge_export``) on checkpoints of real training runs (CPU, gloo, 4 processes).
 
-- Expert-parallel checkpoints of an injected Mixtral (ZeRO-2 bf16 + FusedAdamWClip with ep_size 2 in both of
-  DeepSpeed's group layouts, ZeRO-1 fp32 with DeepSpeed's AdamW and ep_size 4, ep_size 1): the export equals,
-  bit for bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each
-  rank, every expert-parallel rank's experts concatenated in order), under transformers' keys, and loads
-  strictly into stock MixtralForCausalLM; ``from_pretrained`` reads the written folder back.
-- A dense injected Llama (fused gate/up MLP, tied embeddings, one frozen weight): the fused gate_up master comes
-  out as transformers' gate_proj / up_proj, the tied lm_head as the embedding's master, the frozen weight as
-  saved.
+- Expert-parallel checkpoints of injected models (Mixtral: ZeRO-2 bf16 + FusedAdamWClip with ep_size 2 in both
+  of DeepSpeed's group layouts, ZeRO-1 fp32 with DeepSpeed's AdamW and ep_size 4, ep_size 1; Qwen2-MoE and
+  DeepSeek-V3, with shared experts, dense MLP layers and a router buffer, at ep_size 2): the export equals, bit for
+  bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each rank, every
+  expert-parallel rank's experts concatenated in order), under transformers' keys, and loads strictly into the
+  stock model; ``from_pretrained`` reads the written folder back.
+- A dense injected Llama (fused gate/up MLP with biases, tied embeddings, one frozen weight): the fused gate_up
+  master comes out as transformers' gate_proj / up_proj, the tied lm_head as the embedding's master, the frozen
+  weight as saved.
 - What must be an error: a missing rank's optimizer file, a missing expert's file, files of two different saves,
   ZeRO-0 16-bit checkpoints asked for masters (their weights export with source="module").
 """
@@ -43,7 +44,7 @@ def _llama():
 
     return LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                       tie_word_embeddings=True)
+                       tie_word_embeddings=True, mlp_bias=True)
 
 
 def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, data_before: bool = False) -> dict:
@@ -64,6 +65,8 @@ RUNS = {
     "zero2_bf16_ep2_data_before_expert": ("mixtral", _ds_config(2, True, 2, True, data_before=True)),
     "zero1_fp32_ep4": ("mixtral", _ds_config(1, False, 4, False)),
     "zero2_bf16_ep1": ("mixtral", _ds_config(2, True, 1, True)),
+    "qwen2_moe_ep2": ("qwen2_moe", _ds_config(2, True, 2, True)),
+    "deepseek_v3_ep2": ("deepseek_v3", _ds_config(2, True, 2, True)),
     "zero2_bf16_llama": ("llama", _ds_config(2, True, 1, True)),
 }
 FROZEN = "model.layers.0.self_attn.q_proj.weight"  # frozen in the llama run
@@ -89,6 +92,7 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
 
     import ds_loongforge
     from ds_loongforge.modules.moe import ExpertMaskedMoE
+    from tests.integrations.test_inject import build
 
     results = {}
     for name, (family, config) in RUNS.items():
@@ -96,13 +100,15 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
         torch.manual_seed(seed)
         if family == "mixtral":
             model = MixtralForCausalLM(_mixtral())
-        else:
+        elif family == "llama":
             model = LlamaForCausalLM(_llama())
             model.get_parameter(FROZEN).requires_grad_(False)
+        else:
+            model = build(family)
         engine, *_ = ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
         g = torch.Generator().manual_seed(seed + 1 + rank)
         for _ in range(STEPS):
-            ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
         engine.save_checkpoint(os.path.join(ckpt_root, name), tag=f"step{STEPS}")
@@ -110,9 +116,11 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
         # every rank); frozen parameters have none
         masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
         moe = [m for m in engine.module.modules() if isinstance(m, ExpertMaskedMoE)]
+        keys = set(engine.module.state_dict())
         results[name] = {
             "masters": {n: m.detach().clone() for n, m in masters.items() if m is not None},
             "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers() if n in keys},
             "ep_rank": moe[0].ep_rank if moe else 0,
         }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -129,8 +137,9 @@ def trained(tmp_path_factory):
 
 
 def _expected(ranks: list, name: str, ep_size: int) -> dict:
-    """The run-time masters as one model: dense ones equal on every rank, experts concatenated over the
-    expert-parallel ranks (equal on the ranks of one expert-data-parallel group)."""
+    """The run-time masters as one model, under the engine's parameter names: dense ones equal on every rank,
+    stacked experts concatenated over the expert-parallel ranks (equal on the ranks of one
+    expert-data-parallel group)."""
     expected = {}
     for key, value in ranks[0][name]["masters"].items():
         if ep_size > 1 and ".experts." in key:
@@ -147,25 +156,55 @@ def _expected(ranks: list, name: str, ep_size: int) -> dict:
     return expected
 
 
-@pytest.mark.parametrize("name", [n for n, (family, _) in RUNS.items() if family == "mixtral"])
-def test_mixtral_export_is_deepspeeds_fp32_masters(trained, name):
-    from transformers import MixtralForCausalLM
+def _under_transformers_keys(masters: dict) -> dict:
+    """An injected FusedSwiGLUMLP trains one gate_up_proj [2I, H] (and bias): gate_proj's rows, then up_proj's."""
+    out = {}
+    for key, value in masters.items():
+        prefix, fused, kind = key.rpartition(".gate_up_proj.")
+        if fused:
+            out[f"{prefix}.gate_proj.{kind}"], out[f"{prefix}.up_proj.{kind}"] = value.chunk(2)
+        else:
+            out[key] = value
+    return out
 
+
+def _stock(family: str):
+    import transformers
+
+    from tests.integrations.test_inject import COMMON, FAMILIES
+
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM(_mixtral())
+    if family == "llama":
+        return transformers.LlamaForCausalLM(_llama())
+    config_cls, model_cls, kwargs, _ = FAMILIES[family]
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **kwargs}))
+
+
+@pytest.mark.parametrize("name", [n for n, (family, _) in RUNS.items() if family != "llama"])
+def test_export_is_deepspeeds_fp32_masters(trained, name):
     root, ranks = trained
-    ep_size = RUNS[name][1]["loongforge"]["moe"]["ep_size"]
-    expected = _expected(ranks, name, ep_size)
+    family, config = RUNS[name]
+    ep_size = config["loongforge"]["moe"]["ep_size"]
+    expected = _under_transformers_keys(_expected(ranks, name, ep_size))
+    buffers = ranks[0][name]["buffers"]
     got = load_state_dict(str(root / "ckpt" / name))
-    assert set(got) == set(expected)
+    assert set(got) == set(expected) | set(buffers)
     for key, value in got.items():
         assert value.dtype == torch.float32, key
-        assert torch.equal(value, expected[key]), f"{name}: {key} is not the optimizer's fp32 master"
-    assert got["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 48, 16)
-    MixtralForCausalLM(_mixtral()).load_state_dict(got, strict=True)
+        want = expected[key] if key in expected else buffers[key].float()
+        assert torch.equal(value, want), f"{name}: {key} is not the optimizer's fp32 master"
+    stock = _stock(family)
+    stock.load_state_dict(got, strict=True)
+    experts = [p for n, p in stock.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert experts and all(p.shape == got[n].shape for n, p in stock.named_parameters() if n in got)
     if name == "zero2_bf16_ep2_data_before_expert":
         # the config's layout: expert-parallel groups [0, 2] and [1, 3], so rank 1 holds the first experts
         assert [r[name]["ep_rank"] for r in ranks] == [0, 0, 1, 1]
     elif ep_size == 2:
         assert [r[name]["ep_rank"] for r in ranks] == [0, 1, 0, 1]
+    if family == "deepseek_v3":  # the router's correction bias: a buffer, taken as saved
+        assert any(key.endswith("e_score_correction_bias") for key in buffers)
 
 
 def test_export_writes_a_folder_from_pretrained_reads(trained, tmp_path, capsys):
@@ -201,24 +240,18 @@ def test_export_writes_a_folder_from_pretrained_reads(trained, tmp_path, capsys)
 
 
 def test_dense_llama_export_has_transformers_keys(trained):
-    from transformers import LlamaForCausalLM
-
     root, ranks = trained
     name = "zero2_bf16_llama"
-    masters = _expected(ranks, name, 1)
-    got = load_state_dict(str(root / "ckpt" / name))
-    # the injected MLP trains one gate_up_proj [2I, H]: its master is gate_proj's rows, then up_proj's
-    for layer in range(2):
-        fused = masters.pop(f"model.layers.{layer}.mlp.gate_up_proj.weight")
-        masters[f"model.layers.{layer}.mlp.gate_proj.weight"], masters[f"model.layers.{layer}.mlp.up_proj.weight"] = \
-            fused.chunk(2)
+    masters = _under_transformers_keys(_expected(ranks, name, 1))
+    assert "model.layers.1.mlp.up_proj.bias" in masters
     masters["lm_head.weight"] = masters["model.embed_tokens.weight"]  # tied
     assert FROZEN not in masters
     masters[FROZEN] = ranks[0][name]["weights"][FROZEN].float()  # no master: the bf16 weight, exactly
+    got = load_state_dict(str(root / "ckpt" / name))
     assert set(got) == set(masters)
     for key, value in got.items():
         assert value.dtype == torch.float32 and torch.equal(value, masters[key]), key
-    LlamaForCausalLM(_llama()).load_state_dict(got, strict=True)
+    _stock("llama").load_state_dict(got, strict=True)
 
 
 def test_module_source_is_the_weights_the_model_ran_with(trained):
