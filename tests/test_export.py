@@ -239,7 +239,9 @@ def test_export_writes_a_folder_from_pretrained_reads(trained, tmp_path, capsys)
         assert torch.equal(shards[key], value), key
 
 
-def test_dense_llama_export_has_transformers_keys(trained):
+def test_dense_llama_export_has_transformers_keys(trained, tmp_path):
+    from transformers import LlamaForCausalLM
+
     root, ranks = trained
     name = "zero2_bf16_llama"
     masters = _under_transformers_keys(_expected(ranks, name, 1))
@@ -252,6 +254,14 @@ def test_dense_llama_export_has_transformers_keys(trained):
     for key, value in got.items():
         assert value.dtype == torch.float32 and torch.equal(value, masters[key]), key
     _stock("llama").load_state_dict(got, strict=True)
+
+    _llama().save_pretrained(tmp_path / "config")  # a config with no "architectures": AutoModelForCausalLM's pick
+    assert export(str(root / "ckpt" / name), str(tmp_path / "hf"), config=str(tmp_path / "config"))["model"] == \
+        "LlamaForCausalLM"
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, masters[key]), key
 
 
 def test_module_source_is_the_weights_the_model_ran_with(trained):
