@@ -11,8 +11,9 @@ LM loss (mean over 5 steps) falls from 5.22 to 2.75 and the final eval loss is 2
 numbers under `python` and `deepspeed`).
 
 Model: ``--model tiny | mixtral | finegrained`` (presets below; the last two are the issue's H200 benchmark
-shapes) or a path to a Hugging Face config.json / model folder. Data: ``--dataset`` (HF dataset name or local
-path, ``--text-column``) else ``pydoc_data``; tokenizer: ``--tokenizer`` (HF name or path) else bytes.
+shapes) or a path to a Hugging Face config.json / model folder (one with weights, such as loongforge_export's,
+starts training from them). Data: ``--dataset`` (HF dataset name or local path, ``--text-column``) else
+``pydoc_data``; tokenizer: ``--tokenizer`` (HF name or path) else bytes.
 
 Variants: LoongForge is on when the config's "loongforge" block says ``enabled: true`` (``--use-loongforge``
 forces it on, ``--no-loongforge`` runs stock transformers + DeepSpeed); ``--autoep`` runs stock + DeepSpeed
@@ -91,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed scripts' habit; no effect")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help="set by the deepspeed launcher")
-    p.add_argument("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or HF config path")
+    p.add_argument("--model", default="tiny",
+                   help=f"preset ({', '.join(PRESETS)}), HF config path, or model folder (its weights are the start)")
     p.add_argument("--dataset", default=None, help="HF dataset name or local path (default: pydoc_data text)")
     p.add_argument("--dataset-split", default="train")
     p.add_argument("--text-column", default="text")
@@ -227,8 +229,11 @@ PRESET_AUX_LOSS_COEF = 0.01
 def build_model(name: str, vocab_size: int, seq_len: int) -> nn.Module:
     """The same model for every variant: the presets turn the family's load-balancing loss on
     (output_router_logits, router_aux_loss_coef 0.01); a config path keeps its own settings. LoongForge's injected
-    MoE layers keep that objective (transformers computes it from their router's logits)."""
+    MoE layers keep that objective (transformers computes it from their router's logits). A model folder that
+    holds weights (save_pretrained's, or loongforge_export's) starts from them; a config alone from a random
+    initialisation."""
     from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
     if name in PRESETS:
         fields = dict(PRESETS[name])
@@ -240,6 +245,12 @@ def build_model(name: str, vocab_size: int, seq_len: int) -> nn.Module:
         if getattr(config, "vocab_size", vocab_size) < vocab_size:
             raise ValueError(f"--model {name}: vocab_size {config.vocab_size} is smaller than the tokenizer's "
                              f"{vocab_size}")
+        weights = [f for f in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+                   if os.path.isfile(os.path.join(name, f))]
+        if weights:
+            logger.info("model: weights from %s (%s)", name, weights[0])
+            return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+        logger.info("model: %s holds a config and no weights: random initialisation", name)
     else:
         raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
     config._attn_implementation = "sdpa"

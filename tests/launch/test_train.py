@@ -173,6 +173,25 @@ def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path):
     assert not any(info.values()), info
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == model.config.num_local_experts
 
+    # and on from there in one process (ep_size 1): the exported folder is the starting point
+    resumed = _train("--deepspeed_config", "ds_configs/cpu.json", "--model", str(tmp_path / "hf"), "--steps", "1",
+                     "--max-documents", "30")
+    assert f"model: weights from {tmp_path / 'hf'} (model.safetensors)" in resumed["_log"]
+    assert math.isfinite(resumed["loss_history"][0][1])
+
+
+def test_model_folder_with_weights_is_the_starting_point(tmp_path):
+    model = train.build_model("tiny", 259, 64)
+    model.save_pretrained(tmp_path / "weights")
+    loaded = train.build_model(str(tmp_path / "weights"), 259, 64)
+    state = loaded.state_dict()
+    assert state.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
+    model.config.save_pretrained(tmp_path / "config")  # a config alone: a fresh initialisation
+    fresh = train.build_model(str(tmp_path / "config"), 259, 64)
+    assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
 
 # --- in process ------------------------------------------------------------------------------------------------
 
