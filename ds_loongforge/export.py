@@ -13,7 +13,8 @@ What DeepSpeed's own tools do with such a checkpoint, and what this adds:
   checkpoint's module file holds them (``gate_proj`` / ``up_proj``), and the experts are stacked over all ranks
   as transformers stacks them (``experts.gate_up_proj`` [E, 2I, H]).
 
-How (ZeRO-1/2, the stages DeepSpeed runs MoE layers under): each optimizer group's fp32 partitions come from the
+How (ZeRO-1/2, the stages DeepSpeed runs MoE layers under; DeepSpeedZeroOptimizer's files, or BF16_Optimizer's
+for ZeRO-1 bf16 with fp32 gradient accumulation): each optimizer group's fp32 partitions come from the
 ``*_optim_states.pt`` files. A dense group is unflattened from all ranks' partitions in rank order (DeepSpeed's
 ``zero_to_fp32._zero2_merge_trainable_params``); an expert group from the ranks of each expert-data-parallel
 group (the layout of ``deepspeed.utils.groups``, with the config's ``use_data_before_expert_parallel``), once per
@@ -21,8 +22,8 @@ expert-parallel rank, and the ranks' local experts are concatenated in expert-pa
 experts [e * E/ep, (e + 1) * E/ep), as DeepSpeed numbers its per-expert files).
 
 Then every tensor is checked against the weights the model ran with: the module file and the per-expert files
-hold each master rounded to the training dtype, bit for bit. A layout read wrong, a file from another run or a
-missing rank is an error naming the key, never a silently wrong tensor. Frozen parameters and buffers have no
+hold each master rounded to the training dtype, bit for bit (a NaN matching a NaN). A layout read wrong, a file
+from another run, a missing rank or MoE layer is an error naming it, never a silently wrong tensor. Frozen parameters and buffers have no
 master and come from those files (upcast to fp32: exact). ``source="module"`` exports those files' weights
 alone, in the training dtype.
 """
@@ -120,6 +121,11 @@ def saved_weights(folder: str, model_states: dict | None = None) -> dict[str, to
                 raise CheckpointExportError(f"{path}: layer {match['layer']} holds experts of two modules")
             experts.setdefault(f"{parsed['module']}.{parsed['param']}", {})[expert] = tensor
     num_experts = states.get("num_experts") or []
+    absent = [layer for layer in range(len(num_experts)) if layer not in layers]
+    if absent:
+        raise CheckpointExportError(
+            f"{folder}: the model has {len(num_experts)} MoE layers and the per-expert files of layers {absent} are "
+            "missing (layer_<L>_expert_<id>_mp_rank_00_model_states.pt); the checkpoint is incomplete")
     for key, by_expert in experts.items():
         ids = sorted(by_expert)
         layer = next(layer for layer, module in layers.items() if key.startswith(module + "."))
@@ -173,10 +179,16 @@ def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, tor
     if not files:
         return {}
     optim = [_load(path)["optimizer_state_dict"] for path in files]
-    stage = int(optim[0]["zero_stage"])
+    # DeepSpeedZeroOptimizer's files record their stage; BF16_Optimizer's (ZeRO-1 bf16 with fp32 gradient
+    # accumulation) do not, and keep each rank's group padding at the end of its partition
+    bf16_optimizer = "zero_stage" not in optim[0]
+    stage = 1 if bf16_optimizer else int(optim[0]["zero_stage"])
     if stage not in (1, 2):
         raise CheckpointExportError(f"{folder}: ZeRO stage {stage} checkpoints are not supported (ZeRO-1/2 are; "
                                     "DeepSpeed runs MoE layers under those only)")
+    if stage == 2 and states.get("frozen_param_shapes") is None:
+        logger.warning("[LoongForge] export: %s was saved with exclude_frozen_parameters: its frozen parameters "
+                       "are not in it, nor in the export", folder)
     shapes = states["param_shapes"]
     counts = optim[0]["partition_count"]
     counts = counts if isinstance(counts, list) else [counts] * len(shapes)
@@ -185,9 +197,21 @@ def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, tor
     masters: dict[str, torch.Tensor] = {}
     for g, group_shapes in enumerate(shapes):
         partitions = [o["single_partition_of_fp32_groups"][g] for o in optim]
+        if bf16_optimizer:
+            partitions = [p[:p.numel() - o["group_paddings"][g]] for p, o in zip(partitions, optim)]
         group_paddings = None if paddings is None else paddings[g]
+
+        def unflatten(ranks: list[int], what: str) -> dict[str, torch.Tensor]:
+            try:
+                return _unflatten([partitions[rank] for rank in ranks], group_shapes, group_paddings)
+            except (ValueError, RuntimeError) as error:
+                raise CheckpointExportError(
+                    f"{folder}: optimizer group {g} ({what}, ranks {ranks}) does not unflatten into its parameters "
+                    f"{list(group_shapes)[:3]}...: {error}. If the model built its expert groups itself, its "
+                    "layout may differ from the config's use_data_before_expert_parallelism") from error
+
         if counts[g] == world:
-            masters.update(_unflatten(partitions, group_shapes, group_paddings))
+            masters.update(unflatten(list(range(world)), "dense"))
             continue
         if world % counts[g]:
             raise CheckpointExportError(f"{folder}: optimizer group {g} is partitioned {counts[g]} ways over "
@@ -200,7 +224,7 @@ def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, tor
         for members in expert_data_parallel:
             holders = {ep_rank[rank] for rank in members}
             assert len(holders) == 1, (members, holders)
-            local[holders.pop()] = _unflatten([partitions[rank] for rank in members], group_shapes, group_paddings)
+            local[holders.pop()] = unflatten(list(members), f"experts, ep_size {ep_size}")
         for name in group_shapes:
             masters[name] = torch.cat([local[e][name] for e in range(ep_size)])
     return masters
@@ -220,6 +244,13 @@ def _name_in_saved(name: str, tensor: torch.Tensor, saved: dict) -> dict[str, to
         return state
     raise CheckpointExportError(f"the optimizer holds {name}, which the checkpoint's module state does not (nor "
                                 "as a fused gate_up_proj's gate_proj / up_proj): the files are not of one model")
+
+
+def _rounds_to(master: torch.Tensor, saved: torch.Tensor) -> bool:
+    """The master rounded to the saved dtype is the saved tensor; a NaN matches a NaN (a diverged run's
+    checkpoint is still one save; devices write different NaN bits)."""
+    cast = master.to(saved.dtype)
+    return bool(((cast == saved) | (cast.isnan() & saved.isnan())).all())
 
 
 def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str = "masters"
@@ -247,15 +278,15 @@ def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str 
                 "Export the weights the model ran with (source='module', --source module), or train with ZeRO-1/2")
         masters = {k: v for k, v in saved.items() if k not in states.get("buffer_names", ())}
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in masters.items():
-        out.update(_name_in_saved(name, tensor, saved))
+    for name, tensor in masters.items():  # fp32 (bf16_master_weights_and_grads keeps bf16 masters: exact in fp32)
+        out.update(_name_in_saved(name, tensor.float(), saved))
     for alias, target in (states.get("shared_params") or {}).items():
         if target in out:
             out[alias] = out[target]
     mismatched = []
     for key, tensor in out.items():
         want = saved[key]
-        if tensor.shape != want.shape or not torch.equal(tensor.to(want.dtype), want):
+        if tensor.shape != want.shape or not _rounds_to(tensor, want):
             diff = ("shape " + str(tuple(tensor.shape)) if tensor.shape != want.shape
                     else f"max |diff| {(tensor.double() - want.double()).abs().max().item():.3g}")
             mismatched.append(f"{key} ({diff})")
@@ -294,7 +325,8 @@ def _save_pretrained(state: dict, config_path: str, output_dir: str, max_shard_s
         raise CheckpointExportError(
             f"the checkpoint's weights do not fit {type(model).__name__} built from {config_path}: missing "
             f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]} (pass the model's own config "
-            "with --config, or none to write the bare state dict)")
+            "with --config, or none to write the bare state dict; a checkpoint saved with "
+            "exclude_frozen_parameters holds no frozen parameters)")
     model.save_pretrained(output_dir, max_shard_size=max_shard_size)
     return type(model).__name__
 

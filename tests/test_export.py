@@ -47,7 +47,8 @@ def _llama():
                        tie_word_embeddings=True, mlp_bias=True)
 
 
-def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, data_before: bool = False) -> dict:
+def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, data_before: bool = False,
+               fp32_grad_accum: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1, "torch_adam": True}},
@@ -56,6 +57,8 @@ def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, dat
                              "sampler": {"expert_aware": False}}}
     if data_before:
         config["use_data_before_expert_parallelism"] = True
+    if fp32_grad_accum:  # ZeRO-1 bf16 then runs DeepSpeed's BF16_Optimizer, whose files differ
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
@@ -65,6 +68,7 @@ RUNS = {
     "zero2_bf16_ep2_data_before_expert": ("mixtral", _ds_config(2, True, 2, True, data_before=True)),
     "zero1_fp32_ep4": ("mixtral", _ds_config(1, False, 4, False)),
     "zero2_bf16_ep1": ("mixtral", _ds_config(2, True, 1, True)),
+    "zero1_bf16_optimizer_ep2": ("mixtral", _ds_config(1, True, 2, False, fp32_grad_accum=True)),
     "qwen2_moe_ep2": ("qwen2_moe", _ds_config(2, True, 2, True)),
     "deepseek_v3_ep2": ("deepseek_v3", _ds_config(2, True, 2, True)),
     "zero2_bf16_llama": ("llama", _ds_config(2, True, 1, True)),
@@ -122,6 +126,7 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
             "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
             "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers() if n in keys},
             "ep_rank": moe[0].ep_rank if moe else 0,
+            "optimizer": type(engine.optimizer).__name__,
         }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -203,6 +208,8 @@ def test_export_is_deepspeeds_fp32_masters(trained, name):
         assert [r[name]["ep_rank"] for r in ranks] == [0, 0, 1, 1]
     elif ep_size == 2:
         assert [r[name]["ep_rank"] for r in ranks] == [0, 1, 0, 1]
+    if name == "zero1_bf16_optimizer_ep2":
+        assert ranks[0][name]["optimizer"] == "BF16_Optimizer"
     if family == "deepseek_v3":  # the router's correction bias: a buffer, taken as saved
         assert any(key.endswith("e_score_correction_bias") for key in buffers)
 
@@ -300,6 +307,51 @@ def test_missing_expert_file_is_named(trained, tmp_path):
     with pytest.raises(CheckpointExportError, match=r"layers\.1\.mlp\.experts\.\w+ is missing the files of experts "
                                                     r"\[2\] of 4"):
         load_state_dict(str(checkpoint))
+
+
+def test_missing_moe_layer_is_named(trained, tmp_path):
+    """All the files of one MoE layer gone: an error for the saved weights too, not a model without it."""
+    checkpoint, step = _copy(trained, tmp_path)
+    for path in step.glob("layer_1_expert_*_mp_rank_00_model_states.pt"):
+        path.unlink()
+    with pytest.raises(CheckpointExportError, match=r"2 MoE layers and the per-expert files of layers \[1\] are "
+                                                    "missing"):
+        load_state_dict(str(checkpoint), source="module")
+
+
+def test_a_nan_master_matches_its_nan_weight(trained, tmp_path):
+    """A diverged run's checkpoint is still one save: a NaN master and its NaN bf16 weight agree."""
+    checkpoint, step = _copy(trained, tmp_path)
+    model_file = step / "mp_rank_00_model_states.pt"
+    states = torch.load(model_file, weights_only=False)
+    key = next(iter(states["param_shapes"][0]))  # the first parameter of the dense group starts rank 0's partition
+    states["module"][key].view(-1)[0] = float("nan")
+    torch.save(states, model_file)
+    optim_file = step / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim = torch.load(optim_file, weights_only=False)
+    with torch.no_grad():  # the saved partition is a Parameter
+        optim["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] = float("nan")
+    torch.save(optim, optim_file)
+    got = load_state_dict(str(checkpoint))
+    assert got[key].view(-1)[0].isnan() and not got[key].view(-1)[1:].isnan().any()
+
+
+def test_checkpoint_without_frozen_parameters_is_said(trained, tmp_path, caplog):
+    """save_checkpoint(exclude_frozen_parameters=True) (here: its files edited so) keeps no frozen weights: the
+    export says so, and a config's strict key check names it."""
+    checkpoint, step = _copy(trained, tmp_path, "zero2_bf16_llama")
+    model_file = step / "mp_rank_00_model_states.pt"
+    states = torch.load(model_file, weights_only=False)
+    del states["module"][FROZEN]
+    states["frozen_param_shapes"] = states["frozen_param_fragments"] = None
+    torch.save(states, model_file)
+    with caplog.at_level(logging.WARNING, logger="ds_loongforge"):
+        assert FROZEN not in load_state_dict(str(checkpoint))
+    assert "saved with exclude_frozen_parameters" in caplog.text
+    _llama().save_pretrained(tmp_path / "config")
+    with pytest.raises(CheckpointExportError, match=r"missing \['model\.layers\.0\.self_attn\.q_proj\.weight'\].*"
+                                                    "exclude_frozen_parameters"):
+        export(str(checkpoint), str(tmp_path / "hf"), config=str(tmp_path / "config"))
 
 
 def test_files_of_two_saves_are_an_error(trained, tmp_path):

@@ -75,9 +75,13 @@ def expert_group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def expert_parallel_group(ep_size: int, use_data_before_expert_parallel: bool = False):
+def expert_parallel_group(ep_size: int, use_data_before_expert_parallel: bool = False, *,
+                          adopt_existing: bool = False):
     """This rank's expert-parallel group of size ep_size from deepspeed.utils.groups, created (with its
-    expert-data-parallel group) on first use. torch.distributed must be initialized; deepspeed.comm is
+    expert-data-parallel group) on first use in the layout asked for. DeepSpeed keeps one group per name for the
+    life of the process, so a group that exists in the other layout is an error (ZeRO partitions, the
+    checkpoint's files and their export all follow it), unless ``adopt_existing`` (a layer built before the
+    engine takes what the config-only hook made). torch.distributed must be initialized; deepspeed.comm is
     attached to it if deepspeed.init_distributed has not run yet."""
     if not dist.is_initialized():
         raise RuntimeError("expert_parallel_group: torch.distributed is not initialized; call "
@@ -91,6 +95,17 @@ def expert_parallel_group(ep_size: int, use_data_before_expert_parallel: bool = 
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size,
                                                 use_data_before_expert_parallel_=use_data_before_expert_parallel)
+    elif not adopt_existing:
+        wanted, _ = groups._get_expert_parallel_ranks(world, 1, ep_size, 1, use_data_before_expert_parallel)
+        mine = next(list(ranks) for ranks in wanted if dist.get_rank() in ranks)
+        held = list(groups._get_expert_parallel_group_ranks(name))
+        if held != mine:
+            raise ValueError(
+                f"DeepSpeed's expert groups {name} exist in the other layout: this rank's expert-parallel group is "
+                f"{held}, and use_data_before_expert_parallelism={use_data_before_expert_parallel} (the DeepSpeed "
+                f"config) puts it in {mine}. A DeepSpeedExpertMaskedMoE built after torch.distributed was up made "
+                "them: build it with use_data_before_expert_parallel equal to the config's "
+                "use_data_before_expert_parallelism")
     return groups._get_expert_parallel_group(name)
 
 
@@ -166,13 +181,19 @@ class DeepSpeedExpertMaskedMoE(ExpertMaskedMoE):
             param.loongforge_stacked_experts = True
         _install_expert_parallel_grad_norm()
         if dist.is_initialized():
-            self.set_deepspeed_parallelism(use_data_before_expert_parallel)
+            self._bind(expert_parallel_group(ep_size, use_data_before_expert_parallel, adopt_existing=True))
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Create or look up DeepSpeed's groups for this ep_size and bind the expert-parallel one
-        (DeepSpeedEngine._configure_distributed_model calls this on every module that has it)."""
-        group = expert_parallel_group(self.ep_size,
-                                      use_data_before_expert_parallel_ or self.use_data_before_expert_parallel)
+        """Create or look up DeepSpeed's groups for this ep_size, in the layout of the engine's config, and bind
+        the expert-parallel one (DeepSpeedEngine._configure_distributed_model calls this on every module that has
+        it). The config decides: ZeRO's expert-data-parallel partitions and the checkpoint follow it."""
+        if self.use_data_before_expert_parallel and not use_data_before_expert_parallel_:
+            raise ValueError("DeepSpeedExpertMaskedMoE(use_data_before_expert_parallel=True) in an engine whose "
+                             "config does not set \"use_data_before_expert_parallelism\": true; DeepSpeed's groups "
+                             "and checkpoints follow the config: set it there")
+        self._bind(expert_parallel_group(self.ep_size, use_data_before_expert_parallel_))
+
+    def _bind(self, group) -> None:
         self.ep_group = group if self.ep_size > 1 else None
         self.ep_rank = dist.get_rank(group)
 

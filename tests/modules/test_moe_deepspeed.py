@@ -138,6 +138,40 @@ def test_ep_size_needs_a_bound_group():
         DeepSpeedExpertMaskedMoE(H, INTER, E, K, ep_group=None)
 
 
+def _layout_worker(rank, world, port, out_dir):
+    """Expert groups in one layout and an engine config asking for the other: an error, not a silent pick."""
+    _setup_env(rank, world, port)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    errors = {}
+    # built after torch.distributed is up, in DeepSpeed's default layout: ep_size_2 is [0, 1] / [2, 3]
+    moe = DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=2)
+    assert moe.ep_rank == rank % 2
+    moe.set_deepspeed_parallelism(False)  # the config agrees: nothing changes
+    with pytest.raises(ValueError) as error:  # a config with use_data_before_expert_parallelism
+        moe.set_deepspeed_parallelism(True)
+    errors["layout"] = str(error.value)
+    # a layer asked for the data-before layout (ep_size 4: a group of its own) in an engine whose config is not
+    explicit = DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=4, use_data_before_expert_parallel=True)
+    with pytest.raises(ValueError) as error:
+        explicit.set_deepspeed_parallelism(False)
+    errors["explicit"] = str(error.value)
+    # a layer built after the groups exist takes them (the config-only hook makes them in the config's layout)
+    adopted = DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=2, use_data_before_expert_parallel=True)
+    assert adopted.ep_rank == moe.ep_rank
+    torch.save(errors, f"{out_dir}/layout{rank}.pt")
+
+
+def test_expert_group_layout_disagreeing_with_the_config_is_an_error(tmp_path):
+    _spawn(_layout_worker, 4, str(tmp_path))
+    for rank in range(4):
+        errors = torch.load(tmp_path / f"layout{rank}.pt")
+        held = [0, 1] if rank < 2 else [2, 3]
+        wanted = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert f"this rank's expert-parallel group is {held}, and use_data_before_expert_parallelism=True" in \
+            errors["layout"] and f"puts it in {wanted}" in errors["layout"]
+        assert 'config does not set "use_data_before_expert_parallelism": true' in errors["explicit"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # global gradient norm and clipping under expert parallelism
 
