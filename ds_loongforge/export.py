@@ -17,15 +17,15 @@ How (ZeRO-1/2, the stages DeepSpeed runs MoE layers under; DeepSpeedZeroOptimize
 for ZeRO-1 bf16 with fp32 gradient accumulation): each optimizer group's fp32 partitions come from the
 ``*_optim_states.pt`` files. A dense group is unflattened from all ranks' partitions in rank order (DeepSpeed's
 ``zero_to_fp32._zero2_merge_trainable_params``); an expert group from the ranks of each expert-data-parallel
-group (the layout of ``deepspeed.utils.groups``, with the config's ``use_data_before_expert_parallel``), once per
+group (the layout of ``deepspeed.utils.groups``, with the config's ``use_data_before_expert_parallelism``), once per
 expert-parallel rank, and the ranks' local experts are concatenated in expert-parallel rank order (rank e holds
 experts [e * E/ep, (e + 1) * E/ep), as DeepSpeed numbers its per-expert files).
 
 Then every tensor is checked against the weights the model ran with: the module file and the per-expert files
 hold each master rounded to the training dtype, bit for bit (a NaN matching a NaN). A layout read wrong, a file
-from another run, a missing rank or MoE layer is an error naming it, never a silently wrong tensor. Frozen parameters and buffers have no
-master and come from those files (upcast to fp32: exact). ``source="module"`` exports those files' weights
-alone, in the training dtype.
+from another run, a missing rank or MoE layer is an error naming it, never a silently wrong tensor. Frozen
+parameters and buffers have no master and come from those files (upcast to fp32: exact). ``source="module"``
+exports those files' weights alone, in the training dtype.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def checkpoint_folder(checkpoint_dir: str, tag: str | None = None) -> str:
         folder = checkpoint_dir
     if not os.path.isfile(os.path.join(folder, MODEL_FILE)):
         raise CheckpointExportError(
-            f"no DeepSpeed checkpoint at {folder}: {MODEL_FILE} is missing (pass the folder that engine.save_checkpoint "
-            "wrote, holding a 'latest' file, or the tag's own folder, or name the tag)")
+            f"no DeepSpeed checkpoint at {folder}: {MODEL_FILE} is missing (pass the folder that "
+            "engine.save_checkpoint wrote, holding a 'latest' file, or the tag's own folder, or name the tag)")
     return folder
 
 
@@ -187,8 +187,8 @@ def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, tor
         raise CheckpointExportError(f"{folder}: ZeRO stage {stage} checkpoints are not supported (ZeRO-1/2 are; "
                                     "DeepSpeed runs MoE layers under those only)")
     if stage == 2 and states.get("frozen_param_shapes") is None:
-        logger.warning("[LoongForge] export: %s was saved with exclude_frozen_parameters: its frozen parameters "
-                       "are not in it, nor in the export", folder)
+        logger.warning("[LoongForge] export: %s was saved with exclude_frozen_parameters: frozen parameters, if "
+                       "the model had any, are not in it, nor in the export", folder)
     shapes = states["param_shapes"]
     counts = optim[0]["partition_count"]
     counts = counts if isinstance(counts, list) else [counts] * len(shapes)
@@ -313,7 +313,10 @@ def _hf_config_path(checkpoint_dir: str, folder: str, config: str | None) -> str
 def _save_pretrained(state: dict, config_path: str, output_dir: str, max_shard_size: str) -> str:
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(config_path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(config_path)
+    except (OSError, ValueError) as error:
+        raise CheckpointExportError(f"--config {config_path}: not a transformers config ({error})") from error
     architecture = (getattr(config, "architectures", None) or [None])[0]
     with torch.device("meta"):
         if architecture and hasattr(transformers, architecture):
@@ -369,7 +372,9 @@ def export(checkpoint_dir: str, output_dir: str, tag: str | None = None, *, sour
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loongforge_export", description=__doc__.splitlines()[0].strip("`: "))
+    parser = argparse.ArgumentParser(
+        prog="loongforge_export", description="A DeepSpeed checkpoint of a ds_loongforge model (expert-parallel or "
+        "not) as the model's fp32 masters under transformers' keys, in a folder from_pretrained loads.")
     parser.add_argument("checkpoint_dir", help="the folder engine.save_checkpoint wrote (with 'latest'), or a step's")
     parser.add_argument("output_dir", help="where the weights go (created)")
     parser.add_argument("--tag", help="the step's tag (default: the one in 'latest')")

@@ -376,3 +376,4 @@ def test_not_a_checkpoint_and_bad_source(tmp_path, trained):
     with pytest.raises(CheckpointExportError, match="source='fp16': must be one of"):
         load_state_dict(str(root / "ckpt" / "zero2_bf16_ep2"), source="fp16")
     assert main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert main([str(root / "ckpt" / "zero2_bf16_ep2"), str(tmp_path / "out"), "--config", str(tmp_path)]) == 1

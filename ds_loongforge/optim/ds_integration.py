@@ -161,18 +161,41 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
                     len(params))
     expert_parallel = _has_expert_groups(params) or any(getattr(p, "allreduce", True) is False
                                                         for p in model.parameters())
+    sources = {}
     if expert_parallel and not _has_expert_groups(params):
         # ZeRO reduces expert parameters over their expert-data-parallel group only from groups marked 'moe' (and
         # asserts without one); DeepSpeed splits them itself only for an optimizer of its own config, so an
-        # unmodified script's model.parameters() are split here
-        from ds_loongforge.modules.moe_deepspeed import moe_param_groups
+        # unmodified script's parameters are split here
+        if client is None:
+            from ds_loongforge.modules.moe_deepspeed import moe_param_groups
 
-        params = moe_param_groups(params)
+            params = moe_param_groups(params)
+        else:
+            params, sources = _split_client_groups(params)
     optimizer = deepspeed_optimizer(params, config, impl=impl)
+    for group in optimizer.param_groups:
+        if id(group) in sources:
+            optimizer.follow_hyperparameters(group, sources[id(group)])
     result = deepspeed.initialize(model=model, optimizer=optimizer,
                                   config=deepspeed_config_for(config, expert_parallel), **kwargs)
     attach(result[0], optimizer)
     return result
+
+
+def _split_client_groups(groups: list[dict]) -> tuple[list[dict], dict[int, dict]]:
+    """A client optimizer's groups with the expert parameters split out ('moe' groups, DeepSpeed's
+    split_params_into_different_moe_groups_for_optimizer), the client's dicts kept as they are (their "params"
+    lose the expert weights) so that its LR scheduler still drives them; and, per new group (by id), the client
+    dict it came from, whose hyper-parameters it follows at every step."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    for i, group in enumerate(groups):
+        group.setdefault("name", f"client-group-{i}")
+    origin = {id(p): group for group in groups for p in group["params"]}
+    split = split_params_into_different_moe_groups_for_optimizer(list(groups))
+    client = {id(group) for group in groups}
+    return split, {id(group): origin[id(group["params"][0])] for group in split
+                   if id(group) not in client and group["params"]}
 
 
 _CLIENT_FLAGS_OFF = ("amsgrad", "maximize")

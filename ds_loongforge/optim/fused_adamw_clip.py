@@ -62,6 +62,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
         self._skipped: torch.Tensor | None = None
         self.last_skipped: torch.Tensor | None = None  # device int64: 1 if the last step was skipped, else 0
         self._buckets: dict[tuple, AdamWBucket] = {}
+        self._followed: list[tuple[dict, dict]] = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_norm=max_norm)
         super().__init__(params, defaults)
 
@@ -71,6 +72,14 @@ class FusedAdamWClip(torch.optim.Optimizer):
         g["betas"] = tuple(g["betas"])
         _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["max_norm"],
                      where=f"FusedAdamWClip param group {len(self.param_groups) - 1}")
+
+    def follow_hyperparameters(self, group: dict, source: dict) -> None:
+        """``group`` (one of this optimizer's) takes ``source``'s lr, betas, eps and weight decay at every step:
+        for a group split off another optimizer's group (a client optimizer's expert parameters, split into their
+        own group for ZeRO), whose LR scheduler drives the original dict only."""
+        if not any(g is group for g in self.param_groups):
+            raise ValueError("follow_hyperparameters: group is not one of this optimizer's param_groups")
+        self._followed.append((group, source))
 
     @property
     def skipped_steps(self) -> int:
@@ -139,6 +148,9 @@ class FusedAdamWClip(torch.optim.Optimizer):
                      inv_scale: float | torch.Tensor = 1.0) -> None:
         """The two passes over prepared buckets, each with its group's hyper-parameters: what ``step`` does
         after gathering the grads. DeepSpeed's ZeRO glue calls it with buckets over its flat partitions."""
+        for group, source in self._followed:
+            group.update(lr=source["lr"], betas=tuple(source["betas"]), eps=source["eps"],
+                         weight_decay=source["weight_decay"])
         all_buckets = [b for _, buckets in per_group for b in buckets]
         self.last_skipped = None
         if not all_buckets:

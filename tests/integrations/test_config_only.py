@@ -117,6 +117,10 @@ engine = trainer.model_wrapped
 masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
 ep_rank = next(m.ep_rank for m in engine.module.modules() if type(m).__name__ == "DeepSpeedExpertMaskedMoE")
 torch.save({"masters": masters, "ep_rank": ep_rank}, f"{sys.argv[2]}/masters{torch.distributed.get_rank()}.pt")
+print("OPTIMIZER " + json.dumps({"type": type(engine.basic_optimizer).__name__,
+                                 "moe": [bool(g.get("moe")) for g in engine.basic_optimizer.param_groups],
+                                 "lrs": [g["lr"] for g in engine.basic_optimizer.param_groups],
+                                 "scheduler_lrs": trainer.lr_scheduler.get_last_lr()}))
 report(engine.module, trainer.optimizer, engine)
 leave()
 """
@@ -354,6 +358,11 @@ def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, trainer_with_de
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
     assert "[LoongForge] FusedAdamWClip takes the script's AdamW" in output
+    # the expert weights in a group of their own, whose lr the Trainer's schedule drives too (linear over 2 steps
+    # from 1e-3: 0 after the last); the Trainer builds its scheduler on the engine's optimizer, all three groups
+    opt = json.loads([line for line in output.splitlines() if line.startswith("OPTIMIZER ")][-1][len("OPTIMIZER "):])
+    assert opt["type"] == "FusedAdamWClip" and opt["moe"] == [False, False, True], opt
+    assert opt["lrs"] == opt["scheduler_lrs"] == [0.0, 0.0, 0.0], opt
 
     exported = subprocess.run([sys.executable, "-m", "ds_loongforge.export", str(out / "checkpoint-2"),
                                str(tmp_path / "hf")], env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)

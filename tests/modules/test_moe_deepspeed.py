@@ -295,8 +295,15 @@ def test_global_grad_norm_and_clipping_match_single_process(world, runs, tmp_pat
                 steps = [step for step in steps if alike[step]]   # see BF16_ROUTING above
             else:
                 want_norms, want_params = want["fp32"]
-            assert [result["norms"][step] for step in steps] == pytest.approx(
-                [want_norms[step] for step in steps], rel=norm_rel), f"{what}, rank {rank}, steps {steps}"
+            for step in steps:
+                got = result["norms"][step]
+                # bf16: the one-process bf16 run is an estimate of the true norm as much as this one (seed
+                # 705040304: step 1 here 0.146680, fp32 0.146699, one-process bf16 0.147437), so a bf16 norm
+                # within tolerance of either passes; a norm without the expert gradients is 15-20% off both
+                assert got == pytest.approx(want_norms[step], rel=norm_rel) or (
+                    dtype == "bf16" and got == pytest.approx(want["fp32"][0][step], rel=norm_rel)), (
+                    f"{what}, rank {rank}, step {step}: {got} against {want_norms[step]} (fp32 "
+                    f"{want['fp32'][0][step]})")
             for step, params in enumerate(result["params"]):
                 _assert_rank_matches_reference(params, want_params[step], rank, ep_size, f"{what}, step {step}",
                                                param_tol)
@@ -327,6 +334,42 @@ def _fused_norm_worker(rank, world, port, stages, seed, out_dir):
             params.append(_params(net))
         results[stage] = {"norms": norms, "params": params}
     torch.save(results, f"{out_dir}/fused{rank}.pt")
+
+
+def _client_schedule_worker(rank, world, port, out_dir):
+    """A script's AdamW and LambdaLR on an expert-parallel model, FusedAdamWClip standing in (the config selects
+    it): the expert weights go into a 'moe' group of their own, which the client's schedule must drive too."""
+    _setup_env(rank, world, port)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim import FusedAdamWClip, fused_adamw_clip, initialize
+
+    used = []  # the lr of every bucket's update, as the update takes it
+    apply = fused_adamw_clip.adamw_clip_apply
+    fused_adamw_clip.adamw_clip_apply = lambda bucket, stats, lr, *args, **kwargs: (
+        used.append(lr), apply(bucket, stats, lr, *args, **kwargs))[1]
+    net = _deepspeed_net(_reference(3), world, rank)
+    client = torch.optim.AdamW(net.parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 0.5 ** step)
+    config = _config(1)
+    config["loongforge"] = {"enabled": True, "optimizer": {"fused_adamw_clip": True}}
+    engine, *_ = initialize(model=net, optimizer=client, lr_scheduler=schedule, config=config)
+    assert isinstance(engine.basic_optimizer, FusedAdamWClip)
+    lrs = []
+    for x, target in _batches(world, 3):
+        engine.backward(engine(x[rank], target[rank]))
+        engine.step()
+        lrs.append(sorted(set(used)))
+        used.clear()
+    torch.save({"lrs": lrs, "moe": [bool(g.get("moe")) for g in engine.basic_optimizer.param_groups]},
+               f"{out_dir}/client{rank}.pt")
+
+
+def test_client_schedule_drives_the_split_expert_group(tmp_path):
+    _spawn(_client_schedule_worker, 2, str(tmp_path))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"client{rank}.pt")
+        assert result["moe"] == [False, True]
+        assert result["lrs"] == [[0.01 * 0.5 ** step] for step in range(STEPS)], result["lrs"]
 
 
 ADAM_LR = 0.01
