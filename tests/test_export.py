@@ -1,7 +1,8 @@
 """ds_loongforge.export (``loongforge_export``) on checkpoints of real training runs (CPU, gloo, 4 processes).
 
 - Expert-parallel checkpoints of injected models (Mixtral: ZeRO-2 bf16 + FusedAdamWClip with ep_size 2 in both
-  of DeepSpeed's group layouts, ZeRO-1 fp32 with DeepSpeed's AdamW and ep_size 4, ep_size 1; Qwen2-MoE and
+  of DeepSpeed's group layouts, ZeRO-1 fp32 with DeepSpeed's AdamW and ep_size 4, ep_size 1, ZeRO-1 bf16 under
+  DeepSpeed's BF16_Optimizer (fp32 gradient accumulation) at ep_size 2; Qwen2-MoE and
   DeepSeek-V3, with shared experts, dense MLP layers and a router buffer, at ep_size 2): the export equals, bit for
   bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each rank, every
   expert-parallel rank's experts concatenated in order), under transformers' keys, and loads strictly into the
@@ -9,8 +10,9 @@
 - A dense injected Llama (fused gate/up MLP with biases, tied embeddings, one frozen weight): the fused gate_up
   master comes out as transformers' gate_proj / up_proj, the tied lm_head as the embedding's master, the frozen
   weight as saved.
-- What must be an error: a missing rank's optimizer file, a missing expert's file, files of two different saves,
-  ZeRO-0 16-bit checkpoints asked for masters (their weights export with source="module").
+- What must be an error: a missing rank's optimizer file, a missing expert's file or MoE layer, files of two
+  different saves, a bad config. What must not: NaN masters (a diverged run), a checkpoint without its frozen
+  weights (a warning).
 """
 
 import json
@@ -69,6 +71,8 @@ RUNS = {
     "zero1_fp32_ep4": ("mixtral", _ds_config(1, False, 4, False)),
     "zero2_bf16_ep1": ("mixtral", _ds_config(2, True, 1, True)),
     "zero1_bf16_optimizer_ep2": ("mixtral", _ds_config(1, True, 2, False, fp32_grad_accum=True)),
+    "zero0_fp32_ep2": ("mixtral", _ds_config(0, False, 2, False)),
+    "zero0_bf16_ep2": ("mixtral", _ds_config(0, True, 2, False)),
     "qwen2_moe_ep2": ("qwen2_moe", _ds_config(2, True, 2, True)),
     "deepseek_v3_ep2": ("deepseek_v3", _ds_config(2, True, 2, True)),
     "zero2_bf16_llama": ("llama", _ds_config(2, True, 1, True)),
@@ -186,7 +190,8 @@ def _stock(family: str):
     return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **kwargs}))
 
 
-@pytest.mark.parametrize("name", [n for n, (family, _) in RUNS.items() if family != "llama"])
+@pytest.mark.parametrize("name", [n for n, (family, config) in RUNS.items()
+                                  if family != "llama" and config["zero_optimization"]["stage"] > 0])
 def test_export_is_deepspeeds_fp32_masters(trained, name):
     root, ranks = trained
     family, config = RUNS[name]
@@ -244,6 +249,32 @@ def test_export_writes_a_folder_from_pretrained_reads(trained, tmp_path, capsys)
     assert set(shards) == set(want)
     for key, value in want.items():
         assert torch.equal(shards[key], value), key
+
+
+def _weights_as_one_model(ranks: list, name: str) -> dict:
+    """Every rank's weights, experts concatenated in expert-parallel rank order (ep_size 2)."""
+    held = {r[name]["ep_rank"]: r[name]["weights"] for r in ranks}
+    return {key: torch.cat([held[0][key], held[1][key]]) if ".experts." in key else value
+            for key, value in held[0].items()}
+
+
+def test_zero0_exports_fp32_weights_and_refuses_16bit_masters(trained):
+    """Without ZeRO the fp32 run's weights are its masters; a bf16 run's masters are in DeepSpeed's unfused
+    optimizer's own unnamed layout: asking for them is an error naming --source module, which exports the bf16
+    weights."""
+    root, ranks = trained
+    got = load_state_dict(str(root / "ckpt" / "zero0_fp32_ep2"))
+    want = _weights_as_one_model(ranks, "zero0_fp32_ep2")
+    assert set(got) == set(want)
+    for key, value in got.items():
+        assert value.dtype == torch.float32 and torch.equal(value, want[key]), key
+    with pytest.raises(CheckpointExportError, match=r"holds no ZeRO optimizer files and its weights are "
+                                                    r"torch\.bfloat16.*--source module"):
+        load_state_dict(str(root / "ckpt" / "zero0_bf16_ep2"))
+    got = load_state_dict(str(root / "ckpt" / "zero0_bf16_ep2"), source="module")
+    want = _weights_as_one_model(ranks, "zero0_bf16_ep2")
+    for key, value in got.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, want[key]), key
 
 
 def test_dense_llama_export_has_transformers_keys(trained, tmp_path):

@@ -254,8 +254,8 @@ def _init_distributed(call: dict, ep_size: int) -> None:
 
 
 def _expert_groups_in_config_layout(ds_config: dict, ep_size: int) -> None:
-    """DeepSpeed's expert groups for ep_size in the layout the config asks for (``use_data_before_expert_parallel``),
-    created before inject: inject's layers look their group up by name (``ep_size_<n>``) and copy the experts of
+    """DeepSpeed's expert groups for ep_size in the layout the config asks for
+    (``use_data_before_expert_parallelism``), created before inject: inject's layers look their group up by name (``ep_size_<n>``) and copy the experts of
     their rank in it, and whichever call creates a name fixes its layout for the process, the engine's included.
     Created by the layers, they would take DeepSpeed's default layout whatever the config says."""
     from deepspeed.runtime.config import get_expert_data_topo_config
