@@ -48,6 +48,7 @@ logger = logging.getLogger("ds_loongforge")
 SOURCES = ("masters", "module")
 MODEL_FILE = "mp_rank_00_model_states.pt"
 # DeepSpeedEngine._get_expert_ckpt_name / _get_zero_ckpt_name (bf16_ / fp16 prefixes vary by optimizer)
+EXPERT_FILES_GLOB = "layer_*_expert_*_mp_rank_00_model_states.pt"
 EXPERT_FILE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_00_model_states\.pt$")
 ZERO_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_00_optim_states\.pt$")
 EXPERT_KEY = re.compile(r"^(?P<module>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<expert>\d+)\."
@@ -58,16 +59,20 @@ class CheckpointExportError(ValueError):
     """The checkpoint cannot be exported as asked; the message names the file or key and the fix."""
 
 
-def checkpoint_folder(checkpoint_dir: str, tag: str | None = None) -> str:
-    """The folder of one saved step: ``checkpoint_dir/tag``, the tag in ``checkpoint_dir/latest``, or
-    ``checkpoint_dir`` itself when it holds the model file."""
+def tag_folder(checkpoint_dir: str, tag: str | None = None) -> str:
+    """The folder of one saved step: ``checkpoint_dir/tag``, the tag in ``checkpoint_dir/latest`` (as
+    DeepSpeed's load_checkpoint reads it), or ``checkpoint_dir`` itself."""
     if tag is not None:
-        folder = os.path.join(checkpoint_dir, str(tag))
-    elif os.path.isfile(os.path.join(checkpoint_dir, "latest")):
+        return os.path.join(checkpoint_dir, str(tag))
+    if os.path.isfile(os.path.join(checkpoint_dir, "latest")):
         with open(os.path.join(checkpoint_dir, "latest")) as f:
-            folder = os.path.join(checkpoint_dir, f.read().strip())
-    else:
-        folder = checkpoint_dir
+            return os.path.join(checkpoint_dir, f.read().strip())
+    return checkpoint_dir
+
+
+def checkpoint_folder(checkpoint_dir: str, tag: str | None = None) -> str:
+    """``tag_folder``, which must hold the model file."""
+    folder = tag_folder(checkpoint_dir, tag)
     if not os.path.isfile(os.path.join(folder, MODEL_FILE)):
         raise CheckpointExportError(
             f"no DeepSpeed checkpoint at {folder}: {MODEL_FILE} is missing (pass the folder that "
@@ -102,7 +107,7 @@ def saved_weights(folder: str, model_states: dict | None = None) -> dict[str, to
     weights = dict(states["module"])
     experts: dict[str, dict[int, torch.Tensor]] = {}
     layers: dict[int, str] = {}
-    for path in sorted(glob.glob(os.path.join(folder, "layer_*_expert_*_mp_rank_00_model_states.pt"))):
+    for path in sorted(glob.glob(os.path.join(folder, EXPERT_FILES_GLOB))):
         name = os.path.basename(path)
         match = EXPERT_FILE.match(name)
         if match is None:
@@ -359,7 +364,7 @@ def export(checkpoint_dir: str, output_dir: str, tag: str | None = None, *, sour
     writes) through ``save_pretrained`` after a strict key check, so ``from_pretrained(output_dir)`` loads it;
     without one as ``model.safetensors`` (sharded above ``max_shard_size``). Returns a summary."""
     folder = checkpoint_folder(checkpoint_dir, tag)
-    state = load_state_dict(checkpoint_dir, tag, source=source)
+    state = load_state_dict(folder, source=source)
     os.makedirs(output_dir, exist_ok=True)
     config_path = _hf_config_path(checkpoint_dir, folder, config)
     model = _save_pretrained(state, config_path, output_dir, max_shard_size) if config_path else None

@@ -216,14 +216,14 @@ def _explain_expert_files_on_load(engine) -> None:
         except RuntimeError as error:
             import glob
 
-            if tag is None and os.path.isfile(os.path.join(load_dir, "latest")):
-                with open(os.path.join(load_dir, "latest")) as fd:
-                    tag = fd.read().strip()
-            expert_files = glob.glob(os.path.join(load_dir, str(tag), "layer_*_expert_*_model_states.pt"))
+            from ds_loongforge.export import EXPERT_FILES_GLOB, tag_folder
+
+            folder = tag_folder(load_dir, tag)
+            expert_files = glob.glob(os.path.join(folder, EXPERT_FILES_GLOB))
             if not expert_files:
                 raise
             raise RuntimeError(
-                f"[LoongForge] {os.path.join(load_dir, str(tag))} was saved with expert parallelism: its experts are "
+                f"[LoongForge] {folder} was saved with expert parallelism: its experts are "
                 f"in {len(expert_files)} per-expert files, which DeepSpeed reads only into a model with MoE layers, "
                 "and this model was injected with loongforge.moe.ep_size 1 (plain ExpertMaskedMoE layers, the "
                 "experts under their transformers keys). Load it with the moe.ep_size > 1 it was saved with, or start "
@@ -255,9 +255,10 @@ def _init_distributed(call: dict, ep_size: int) -> None:
 
 def _expert_groups_in_config_layout(ds_config: dict, ep_size: int) -> None:
     """DeepSpeed's expert groups for ep_size in the layout the config asks for
-    (``use_data_before_expert_parallelism``), created before inject: inject's layers look their group up by name (``ep_size_<n>``) and copy the experts of
-    their rank in it, and whichever call creates a name fixes its layout for the process, the engine's included.
-    Created by the layers, they would take DeepSpeed's default layout whatever the config says."""
+    (``use_data_before_expert_parallelism``), created before inject: inject's layers look their group up by name
+    (``ep_size_<n>``) and copy the experts of their rank in it, and whichever call creates a name fixes its layout
+    for the process, the engine's included. Created by the layers, they would take DeepSpeed's default layout
+    whatever the config says."""
     from deepspeed.runtime.config import get_expert_data_topo_config
 
     from ds_loongforge.modules.moe_deepspeed import expert_parallel_group
