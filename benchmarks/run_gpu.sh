@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe; LF_LEVERS: diagnose_levers's --levers); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_overlap, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
 # "tests" step (default: all of tests/).
@@ -136,6 +136,7 @@ has tests_optim && step tests_optim python3 -m pytest tests/optim -q -m "gpu or 
 has bench_optimizer && step bench_optimizer python3 benchmarks/bench_optimizer.py --out $RES
 # the AdamW update built per launch shape (block size, resident blocks, elements a thread), timed idle and after GEMMs
 has diagnose_adamw && step diagnose_adamw python3 -m benchmarks.diagnose_adamw --out $RES/diagnose_adamw.json
+has diagnose_overlap && step diagnose_overlap python3 -m benchmarks.diagnose_overlap --out $RES
 # the RMSNorm op against another tree's build (LF_OLD_CSRC): every output's bits over 264 cases, then both builds'
 # backward timed side by side
 has ab_rmsnorm && step ab_rmsnorm python3 -m benchmarks.ab_rmsnorm_bits --old-csrc "${LF_OLD_CSRC:?set LF_OLD_CSRC to another tree csrc/ directory}" --time
