@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import warnings
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_moe import DTYPE, SHAPES, build_ours, make_input, make_weights
-from benchmarks.harness import Timer
+from benchmarks.harness import Timer, smi_samples
 from ds_loongforge.diagnostics import format_kernel_timeline
 
 
@@ -89,13 +88,8 @@ def clocks(shape, timer) -> dict:
     flops = 2 * T * H * 2 * I
     one_ms = timer(lambda: a @ b)[0]
     chain = max(1, int(round(shape.gemm_flops_fwd_bwd / flops)))
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader",
-                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    try:
+    with smi_samples("clocks.sm,power.draw,temperature.gpu", units=True) as samples:
         chain_ms = timer(lambda: [a @ b for _ in range(chain)])[0]
-    finally:
-        smi.terminate()
-        samples = smi.communicate(timeout=10)[0].strip().splitlines()
     return {"gemm": f"[{T}x{H}] @ [{H}x{2 * I}] bf16", "single_tflops": flops / one_ms / 1e9,
             "chain_len": chain, "chain_tflops": chain * flops / chain_ms / 1e9, "smi_samples": samples[-12:]}
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +36,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from benchmarks.harness import smi_samples
 
 LR, BETAS, EPS, WD, MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.01, 1.0
 
@@ -86,18 +87,13 @@ def timed(fn, repeats: int) -> tuple[list[float], list[str]]:
     for _ in range(repeats):  # warm-up at the same load: clocks settle at the cap
         fn()
     torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    try:
+    with smi_samples() as samples:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
         for start, end in events:
             start.record()
             fn()
             end.record()
         torch.cuda.synchronize()
-    finally:
-        smi.terminate()
-        samples = smi.communicate(timeout=10)[0].strip().splitlines()
     return [s.elapsed_time(e) for s, e in events], samples
 
 

@@ -10,6 +10,7 @@ warm-up is reported. Fwd+bwd is timed with torch.autograd.grad (no leaf .grad ac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -205,6 +206,21 @@ def new_and_old_builds(new: type, old: type, old_csrc: Path | None, probe: str, 
         use_other_tree(old_csrc, probe, who)
         names.append("old")
     return build_variants({"new": new, "old": old}, names, who)
+
+
+@contextlib.contextmanager
+def smi_samples(fields: str = "clocks.sm,power.draw", period_ms: int = 50, units: bool = False):
+    """nvidia-smi's readings of ``fields`` every ``period_ms`` while the block runs: the list it yields gets one CSV
+    line per reading (without units unless ``units``) when the block ends."""
+    samples: list[str] = []
+    fmt = "csv,noheader" if units else "csv,noheader,nounits"
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", f"--format={fmt}", "-lms", str(period_ms)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        yield samples
+    finally:
+        smi.terminate()
+        samples.extend(smi.communicate(timeout=10)[0].strip().splitlines())
 
 
 def measure_copy_bandwidth(timer: Timer, n_bytes: int = 2 * 1024**3) -> float:

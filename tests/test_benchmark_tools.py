@@ -156,3 +156,26 @@ def test_new_and_old_builds_adds_the_other_tree_only_when_given(tmp_path, monkey
     args = harness.ab_parser("First line.\nMore.").parse_args(["--old-csrc", "t/csrc", "--out", "r.json"])
     assert (args.old_csrc, args.out, args.repeats) == (Path("t/csrc"), Path("r.json"), 50)
     assert harness.ab_parser("x", repeats=7).parse_args([]).repeats == 7
+
+
+def test_smi_samples_collects_what_nvidia_smi_prints_while_the_block_runs(tmp_path, monkeypatch):
+    """benchmarks.harness.smi_samples (diagnose_moe, diagnose_overlap): nvidia-smi is asked for the fields, at the
+    period, in the format given, and its lines reach the yielded list when the block ends (a stand-in nvidia-smi
+    on PATH echoes its arguments, then a reading every 20 ms until terminated)."""
+    import os
+    import time
+
+    from benchmarks.harness import smi_samples
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/usr/bin/env bash\necho "args: $*"\nwhile true; do echo "1980, 612.5"; sleep 0.02; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with smi_samples(period_ms=20) as samples:
+        time.sleep(0.5)
+        assert samples == []  # filled only when the block ends
+    assert samples[0] == "args: --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 20"
+    assert len(samples) > 3 and set(samples[1:]) == {"1980, 612.5"}
+    with smi_samples("clocks.sm,power.draw,temperature.gpu", units=True) as samples:
+        time.sleep(0.2)
+    assert samples[0] == "args: --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 50"
