@@ -14,11 +14,13 @@ chain: ``--gemms`` products [8192 x 2048] @ [2048 x 8192] and back):
               main stream; the main stream waits for the side one at the end
   layered     as overlapped, with the dependencies a real overlap has: the update in ``--layers`` chunks in
               forward order, and the GEMMs of layer i waiting for chunk i (its parameters)
-Each mode runs ``--repeats`` times back to back after a warm-up of the same length (steady clocks at the cap),
+Each mode runs ``--repeats`` times back to back after ``--warmup-s`` seconds of the same load (default 3 s: the
+power and clocks settle at the cap in about a second; a warm-up of a few repeats left the first mode's power window
+starting from idle),
 timed with CUDA events per repeat (median), with nvidia-smi's SM clock and power sampled meanwhile (mean W,
 and energy = mean W x median time).
 
-    python benchmarks/diagnose_overlap.py [--params 1.84e9] [--gemms 24] [--repeats 30] [--out DIR]
+    python benchmarks/diagnose_overlap.py [--params 1.84e9] [--gemms 24] [--repeats 30] [--warmup-s 3] [--out DIR]
 
 A "win" is overlapped < sequential by more than the spread of repeats; the saving against sequential says how
 much of the update a real overlap could hide at most (the real one also has per-layer waits).
@@ -30,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -83,10 +86,20 @@ def build_gemms(n: int):
     return chain, n * 2 * 8192 * 2048 * 8192
 
 
-def timed(fn, repeats: int) -> tuple[list[float], list[str]]:
-    for _ in range(repeats):  # warm-up at the same load: clocks settle at the cap
+def warm_up(fn, seconds: float) -> int:
+    """Run ``fn`` until ``seconds`` of wall time have passed with the GPU busy, so that the timed repeats start at
+    the power and clocks of a sustained load. Returns the number of calls."""
+    calls, start = 0, time.perf_counter()
+    while True:
         fn()
-    torch.cuda.synchronize()
+        calls += 1
+        torch.cuda.synchronize()
+        if time.perf_counter() - start >= seconds:
+            return calls
+
+
+def timed(fn, repeats: int, warmup_s: float) -> tuple[list[float], list[str]]:
+    warm_up(fn, warmup_s)
     with smi_samples() as samples:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
         for start, end in events:
@@ -123,6 +136,8 @@ def main():
     parser.add_argument("--gemms", type=int, default=24)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup-s", type=float, default=3.0,
+                        help="seconds of the same load before each mode's timed repeats")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -171,8 +186,9 @@ def main():
     for name, fn in (("gemm", chain), ("update", update), ("sequential", sequential), ("overlapped", overlapped),
                      ("layered", layered), ("gemm", chain), ("sequential", sequential), ("overlapped", overlapped),
                      ("layered", layered)):
-        rows.append(summarize(name, *timed(fn, args.repeats)))
+        rows.append(summarize(name, *timed(fn, args.repeats, args.warmup_s)))
     result = {"params": n, "gemm_tflop": flops / 1e12, "gemms": args.gemms, "repeats": args.repeats,
+              "warmup_s": args.warmup_s,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     gemm_ms = statistics.median(r["ms"] for r in rows if r["mode"] == "gemm")
     result["gemm_tflops"] = flops / gemm_ms / 1e9

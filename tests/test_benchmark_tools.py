@@ -179,3 +179,24 @@ def test_smi_samples_collects_what_nvidia_smi_prints_while_the_block_runs(tmp_pa
     with smi_samples("clocks.sm,power.draw,temperature.gpu", units=True) as samples:
         time.sleep(0.2)
     assert samples[0] == "args: --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 50"
+
+
+def test_overlap_warm_up_runs_the_load_for_the_time_asked(monkeypatch):
+    """benchmarks.diagnose_overlap.warm_up keeps calling the workload, waiting for the GPU after each call, until
+    the time asked has passed, so each mode's timed repeats start at the sustained load's power and clocks whatever
+    one call costs (a warm-up counted in repeats lasted ~0.3 s and left the first mode's power window starting
+    from idle). The GPU wait is stood in for by a counter."""
+    import time
+
+    import torch
+
+    from benchmarks.diagnose_overlap import warm_up
+
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(1))
+    start = time.perf_counter()
+    calls = warm_up(lambda: time.sleep(0.01), 0.2)
+    elapsed = time.perf_counter() - start
+    assert 0.2 <= elapsed < 1.0
+    assert 5 <= calls <= 21 and len(waits) == calls
+    assert warm_up(lambda: None, 0.0) == 1  # always at least one call
