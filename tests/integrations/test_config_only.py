@@ -1,5 +1,5 @@
-"""Config-only enablement: unmodified scripts that call ``deepspeed.initialize`` (directly, or through the HF
-Trainer) get LoongForge's modules from the config's ``"loongforge"`` block alone, via the installed
+"""Config-only enablement: unmodified scripts that call ``deepspeed.initialize`` (directly, through the HF
+Trainer, or through a plain accelerate script) get LoongForge's modules from the config's ``"loongforge"`` block alone, via the installed
 ``loongforge_autoload.pth``. Each script runs in its own process (the hook acts at interpreter start), on
 DeepSpeed's CPU accelerator as a single-rank job; the DeepSpeed runs go in parallel to keep the file short.
 """
@@ -122,6 +122,26 @@ print("OPTIMIZER " + json.dumps({"type": type(engine.basic_optimizer).__name__,
                                  "lrs": [g["lr"] for g in engine.basic_optimizer.param_groups],
                                  "scheduler_lrs": trainer.lr_scheduler.get_last_lr()}))
 report(engine.module, trainer.optimizer, engine)
+leave()
+"""
+
+# a plain accelerate script: DeepSpeed through accelerate's plugin, the script's own AdamW and loader
+ACCELERATE_SCRIPT = MODEL_SNIPPET + """
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin
+
+before = model.model.embed_tokens.weight.detach().clone()
+accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=sys.argv[1]))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+loader = torch.utils.data.DataLoader([{"input_ids": ids} for ids in torch.randint(0, 64, (8, 16))], batch_size=2)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+for _, batch in zip(range(2), loader):
+    accelerator.backward(model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+print("OPTIMIZER " + json.dumps({"engine": type(model).__name__, "type": type(model.optimizer).__name__,
+                                 "trained": not torch.equal(before, model.module.model.embed_tokens.weight)}))
+report(model.module, optimizer, model)
 leave()
 """
 
@@ -268,13 +288,13 @@ def test_stock_deepspeed_without_enabled_block(ds_runs, case):
 
 
 @pytest.fixture
-def trainer_with_deepspeed(autoload_installed):
+def accelerate_installed(autoload_installed):
     if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("HF Trainer + DeepSpeed needs accelerate (Trainer hands DeepSpeed to accelerate's Accelerator, "
-                    "which calls deepspeed.initialize); accelerate is not installed in this environment")
+        pytest.skip("needs accelerate (the HF Trainer hands DeepSpeed to accelerate's Accelerator, which calls "
+                    "deepspeed.initialize); accelerate is not installed in this environment")
 
 
-def test_hf_trainer_with_deepspeed_config(tmp_path, trainer_with_deepspeed):
+def test_hf_trainer_with_deepspeed_config(tmp_path, accelerate_installed):
     script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
     config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, **ENABLED}))
     proc = subprocess.run([sys.executable, str(script), str(config), str(tmp_path / "out")], cwd=tmp_path,
@@ -291,7 +311,7 @@ def test_hf_trainer_with_deepspeed_config(tmp_path, trainer_with_deepspeed):
     assert result["timer_synchronized"] is False
 
 
-def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, trainer_with_deepspeed):
+def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, accelerate_installed):
     """The Trainer builds its AdamW before deepspeed.initialize when the DeepSpeed config has no "optimizer";
     with fused_adamw_clip in the block, FusedAdamWClip stands in for it on its own param groups (a user found this
     raising "do not pass an optimizer as well"), and the Trainer's LR schedule keeps driving the lr."""
@@ -311,6 +331,27 @@ def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, traine
     # a linear schedule over max_steps=2 from 1e-3: 0 after the last step, in the groups FusedAdamWClip reads
     assert opt["lrs"] == opt["scheduler_lrs"] == [0.0, 0.0]
     assert _result(output)["optimizer_params_in_model"]
+
+
+def test_accelerate_script_with_deepspeed_plugin(tmp_path, accelerate_installed):
+    """A plain accelerate script (Accelerator with a DeepSpeedPlugin over the config file, its own AdamW, prepare,
+    accelerator.backward): accelerate calls deepspeed.initialize, and the block alone brings the fused modules
+    and FusedAdamWClip in place of the script's AdamW, which then trains the injected model's parameters."""
+    script = _write(tmp_path, "train_accelerate.py", ACCELERATE_SCRIPT)
+    config = _write(tmp_path, "acc.json", json.dumps({**DS_BASE, "gradient_clipping": 1.0, "loongforge": {
+        "enabled": True, "optimizer": {"fused_adamw_clip": True}}}))
+    proc = subprocess.run([sys.executable, str(script), str(config)], cwd=tmp_path, env=_env({}),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the accelerate script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    result = _result(output)
+    types = set(result["types"])
+    assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
+    assert "[LoongForge] fused RMSNorm: 5 modules" in output
+    assert "[LoongForge] FusedAdamWClip takes the script's AdamW: its 1 parameter groups" in output
+    opt = json.loads([line for line in output.splitlines() if line.startswith("OPTIMIZER ")][-1][len("OPTIMIZER "):])
+    assert opt == {"engine": "DeepSpeedEngine", "type": "FusedAdamWClip", "trained": True}, opt
+    assert result["optimizer_params_in_model"]
 
 
 EP_SCRIPT_RANKS = 2
@@ -339,7 +380,7 @@ def test_expert_parallel_from_the_block_alone(tmp_path, autoload_installed):
     assert "[LoongForge] DeepSpeedExpertMaskedMoE: 2 modules" in output
 
 
-def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, trainer_with_deepspeed):
+def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, accelerate_installed):
     """The HF Trainer on 2 ranks with moe.ep_size 2 and FusedAdamWClip from the block alone (its AdamW's groups
     had no 'moe' group, which ZeRO asserts on), then its checkpoint through loongforge_export: the Trainer's own
     model.safetensors holds rank 0's experts only, the export every expert's fp32 master as DeepSpeed assembles
