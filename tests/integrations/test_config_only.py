@@ -149,6 +149,7 @@ DS_BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1
 HF_BASE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "zero_optimization": {"stage": 0}}
 ENABLED = {"loongforge": {"enabled": True}}
+FUSED_ADAMW_CLIP = {"gradient_clipping": 1.0, "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
 
 # case -> (loongforge part of the config, extra environment); every case runs DEEPSPEED_SCRIPT
 DS_CASES = {
@@ -187,10 +188,26 @@ def _write(directory, name: str, text: str):
     return path
 
 
+def _tagged(output: str, tag: str) -> dict:
+    """The JSON of the last line the script printed after ``tag`` (RESULT, OPTIMIZER)."""
+    lines = [line for line in output.splitlines() if line.startswith(tag + " ")]
+    assert lines, f"the script printed no {tag} line; its output:\n{output[-6000:]}"
+    return json.loads(lines[-1][len(tag) + 1:])
+
+
 def _result(output: str) -> dict:
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"the script printed no RESULT line; its output:\n{output[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return _tagged(output, "RESULT")
+
+
+def _run_script(tmp_path, text: str, config: dict, *args: str) -> str:
+    """Write the script and its config under tmp_path, run it as one rank in its own process; its output."""
+    script = _write(tmp_path, "script.py", text)
+    config_path = _write(tmp_path, "ds_config.json", json.dumps(config))
+    proc = subprocess.run([sys.executable, str(script), str(config_path), *args], cwd=tmp_path, env=_env({}),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -295,12 +312,7 @@ def accelerate_installed(autoload_installed):
 
 
 def test_hf_trainer_with_deepspeed_config(tmp_path, accelerate_installed):
-    script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
-    config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, **ENABLED}))
-    proc = subprocess.run([sys.executable, str(script), str(config), str(tmp_path / "out")], cwd=tmp_path,
-                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    output = _run_script(tmp_path, TRAINER_SCRIPT, {**HF_BASE, **ENABLED}, str(tmp_path / "out"))
     result = _result(output)
     types = set(result["types"])
     assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
@@ -315,17 +327,9 @@ def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, accele
     """The Trainer builds its AdamW before deepspeed.initialize when the DeepSpeed config has no "optimizer";
     with fused_adamw_clip in the block, FusedAdamWClip stands in for it on its own param groups (a user found this
     raising "do not pass an optimizer as well"), and the Trainer's LR schedule keeps driving the lr."""
-    script = _write(tmp_path, "train_hf.py", TRAINER_SCRIPT)
-    config = _write(tmp_path, "hf.json", json.dumps({**HF_BASE, "gradient_clipping": 1.0, "loongforge": {
-        "enabled": True, "optimizer": {"fused_adamw_clip": True}}}))
-    proc = subprocess.run([sys.executable, str(script), str(config), str(tmp_path / "out")], cwd=tmp_path,
-                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    output = _run_script(tmp_path, TRAINER_SCRIPT, {**HF_BASE, **FUSED_ADAMW_CLIP}, str(tmp_path / "out"))
     assert "[LoongForge] FusedAdamWClip takes the script's AdamW: its 2 parameter groups" in output
-    lines = [line for line in output.splitlines() if line.startswith("OPTIMIZER ")]
-    assert lines, output[-6000:]
-    opt = json.loads(lines[-1][len("OPTIMIZER "):])
+    opt = _tagged(output, "OPTIMIZER")
     assert opt["type"] == "FusedAdamWClip"
     assert opt["weight_decays"] == [0.0, 0.0]  # the Trainer's groups (decay / no decay), its default weight decay
     # a linear schedule over max_steps=2 from 1e-3: 0 after the last step, in the groups FusedAdamWClip reads
@@ -337,19 +341,12 @@ def test_accelerate_script_with_deepspeed_plugin(tmp_path, accelerate_installed)
     """A plain accelerate script (Accelerator with a DeepSpeedPlugin over the config file, its own AdamW, prepare,
     accelerator.backward): accelerate calls deepspeed.initialize, and the block alone brings the fused modules
     and FusedAdamWClip in place of the script's AdamW, which then trains the injected model's parameters."""
-    script = _write(tmp_path, "train_accelerate.py", ACCELERATE_SCRIPT)
-    config = _write(tmp_path, "acc.json", json.dumps({**DS_BASE, "gradient_clipping": 1.0, "loongforge": {
-        "enabled": True, "optimizer": {"fused_adamw_clip": True}}}))
-    proc = subprocess.run([sys.executable, str(script), str(config)], cwd=tmp_path, env=_env({}),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the accelerate script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    output = _run_script(tmp_path, ACCELERATE_SCRIPT, {**DS_BASE, **FUSED_ADAMW_CLIP})
     result = _result(output)
-    types = set(result["types"])
-    assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
+    assert OUR_TYPES <= set(result["types"]) and not STOCK_TYPES & set(result["types"]), result["types"]
     assert "[LoongForge] fused RMSNorm: 5 modules" in output
     assert "[LoongForge] FusedAdamWClip takes the script's AdamW: its 1 parameter groups" in output
-    opt = json.loads([line for line in output.splitlines() if line.startswith("OPTIMIZER ")][-1][len("OPTIMIZER "):])
+    opt = _tagged(output, "OPTIMIZER")
     assert opt == {"engine": "DeepSpeedEngine", "type": "FusedAdamWClip", "trained": True}, opt
     assert result["optimizer_params_in_model"]
 
@@ -401,7 +398,7 @@ def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, accelerate_inst
     assert "[LoongForge] FusedAdamWClip takes the script's AdamW" in output
     # the expert weights in a group of their own, whose lr the Trainer's schedule drives too (linear over 2 steps
     # from 1e-3: 0 after the last); the Trainer builds its scheduler on the engine's optimizer, all three groups
-    opt = json.loads([line for line in output.splitlines() if line.startswith("OPTIMIZER ")][-1][len("OPTIMIZER "):])
+    opt = _tagged(output, "OPTIMIZER")
     assert opt["type"] == "FusedAdamWClip" and opt["moe"] == [False, False, True], opt
     assert opt["lrs"] == opt["scheduler_lrs"] == [0.0, 0.0, 0.0], opt
 
