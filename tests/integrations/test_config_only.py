@@ -84,16 +84,20 @@ report(engine.module, optimizer, engine)
 leave()
 """
 
-# the HF Trainer with --deepspeed: it builds its optimizer before calling deepspeed.initialize (via accelerate)
-TRAINER_SCRIPT = MODEL_SNIPPET + """
+# the HF Trainer with --deepspeed: it builds its optimizer before calling deepspeed.initialize (via accelerate);
+# two steps, saving as SAVE_ARGS says
+TRAINER_RUN = MODEL_SNIPPET + """
 from transformers import Trainer, TrainingArguments
 
 data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]
 args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_steps=2, per_device_train_batch_size=2,
-                         learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True)
+                         learning_rate=1e-3, report_to=[], use_cpu=True, SAVE_ARGS)
 trainer = Trainer(model=model, args=args, train_dataset=data)
 trainer.train()
 engine = trainer.model_wrapped
+"""
+
+TRAINER_SCRIPT = TRAINER_RUN.replace("SAVE_ARGS", 'save_strategy="no"') + """
 print("OPTIMIZER " + json.dumps({"type": type(engine.basic_optimizer).__name__,
                                  "lrs": [g["lr"] for g in engine.basic_optimizer.param_groups],
                                  "weight_decays": [g["weight_decay"] for g in engine.basic_optimizer.param_groups],
@@ -104,16 +108,9 @@ leave()
 
 # the HF Trainer on 2 ranks with expert parallelism, saving a checkpoint; each rank also saves DeepSpeed's own
 # assembly of its fp32 masters, which the exported checkpoint must equal
-TRAINER_EP_SCRIPT = MODEL_SNIPPET + """
+TRAINER_EP_SCRIPT = TRAINER_RUN.replace("SAVE_ARGS", 'save_strategy="steps", save_steps=2') + """
 from deepspeed.utils import safe_get_full_fp32_param
-from transformers import Trainer, TrainingArguments
 
-data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]
-args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_steps=2, per_device_train_batch_size=2,
-                         learning_rate=1e-3, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True)
-trainer = Trainer(model=model, args=args, train_dataset=data)
-trainer.train()
-engine = trainer.model_wrapped
 masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
 ep_rank = next(m.ep_rank for m in engine.module.modules() if type(m).__name__ == "DeepSpeedExpertMaskedMoE")
 torch.save({"masters": masters, "ep_rank": ep_rank}, f"{sys.argv[2]}/masters{torch.distributed.get_rank()}.pt")
