@@ -185,11 +185,18 @@ def _write(directory, name: str, text: str):
     return path
 
 
+def _tagged_all(output: str, tag: str) -> list[dict]:
+    """Every JSON object the script printed after ``tag`` (RESULT, OPTIMIZER), in order. Ranks of a multi-rank
+    script print to one pipe, so another rank's output may share the line, before or after the object."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(part)[0] for part in output.split(tag + " ")[1:]]
+
+
 def _tagged(output: str, tag: str) -> dict:
-    """The JSON of the last line the script printed after ``tag`` (RESULT, OPTIMIZER)."""
-    lines = [line for line in output.splitlines() if line.startswith(tag + " ")]
-    assert lines, f"the script printed no {tag} line; its output:\n{output[-6000:]}"
-    return json.loads(lines[-1][len(tag) + 1:])
+    """The JSON of the last ``tag`` line the script printed."""
+    found = _tagged_all(output, tag)
+    assert found, f"the script printed no {tag} line; its output:\n{output[-6000:]}"
+    return found[-1]
 
 
 def _result(output: str) -> dict:
@@ -363,9 +370,7 @@ def test_expert_parallel_from_the_block_alone(tmp_path, autoload_installed):
                           env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the script failed (exit {proc.returncode}):\n{output[-6000:]}"
-    # both ranks print to one pipe, so a RESULT may share its line with the other rank's output
-    decoder = json.JSONDecoder()
-    results = [decoder.raw_decode(part)[0] for part in output.split("RESULT ")[1:]]
+    results = _tagged_all(output, "RESULT")
     assert len(results) == EP_SCRIPT_RANKS, output[-6000:]
     for result in results:
         assert "DeepSpeedExpertMaskedMoE" in result["types"] and "MixtralSparseMoeBlock" not in result["types"]
