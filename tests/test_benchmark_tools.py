@@ -185,18 +185,19 @@ def test_overlap_warm_up_runs_the_load_for_the_time_asked(monkeypatch):
     """benchmarks.diagnose_overlap.warm_up keeps calling the workload, waiting for the GPU after each call, until
     the time asked has passed, so each mode's timed repeats start at the sustained load's power and clocks whatever
     one call costs (a warm-up counted in repeats lasted ~0.3 s and left the first mode's power window starting
-    from idle). The GPU wait is stood in for by a counter."""
-    import time
-
+    from idle). A fake clock that each call moves on by 0.25 s, and a counter for the GPU wait."""
     import torch
 
-    from benchmarks.diagnose_overlap import warm_up
+    from benchmarks import diagnose_overlap
 
-    waits = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(1))
-    start = time.perf_counter()
-    calls = warm_up(lambda: time.sleep(0.01), 0.2)
-    elapsed = time.perf_counter() - start
-    assert 0.2 <= elapsed < 1.0
-    assert 5 <= calls <= 21 and len(waits) == calls
-    assert warm_up(lambda: None, 0.0) == 1  # always at least one call
+    now, waits = [100.0], []
+
+    def work():
+        now[0] += 0.25
+
+    monkeypatch.setattr(diagnose_overlap.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(now[0]))
+    assert diagnose_overlap.warm_up(work, 1.0) == 4  # stops at the first call that ends past the second
+    assert waits == [100.25, 100.5, 100.75, 101.0]  # the clock is read after the GPU wait, never before it
+    assert diagnose_overlap.warm_up(work, 0.0) == 1  # always at least one call
+    assert diagnose_overlap.warm_up(work, 0.3) == 2
