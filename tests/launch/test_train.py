@@ -45,10 +45,11 @@ def _summary(cmd: list[str], cwd: Path = ROOT, env: dict | None = None) -> dict:
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-4000:]}")
-    # train.py's last line; the deepspeed launcher prints its own lines after it
-    last = next((line for line in reversed(proc.stdout.splitlines()) if line.startswith('{"steps"')), None)
-    assert last is not None, f"no JSON summary line in the output:\n{proc.stdout[-4000:]}"
-    summary = json.loads(last)
+    # train.py's last line (rank 0's); the deepspeed launcher prints its own lines after it, and another rank's
+    # output may land on the same line, before or after it, so the object is decoded where it starts
+    start = proc.stdout.rfind('{"steps"')
+    assert start >= 0, f"no JSON summary line in the output:\n{proc.stdout[-4000:]}"
+    summary, _ = json.JSONDecoder().raw_decode(proc.stdout, start)
     summary["_log"] = proc.stdout + proc.stderr
     return summary
 
