@@ -198,6 +198,6 @@ def test_overlap_warm_up_runs_the_load_for_the_time_asked(monkeypatch):
     monkeypatch.setattr(diagnose_overlap.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(now[0]))
     assert diagnose_overlap.warm_up(work, 1.0) == 4  # stops at the first call that ends past the second
-    assert waits == [100.25, 100.5, 100.75, 101.0]  # the clock is read after the GPU wait, never before it
+    assert waits == [100.25, 100.5, 100.75, 101.0]  # one GPU wait after each call, before the clock decides
     assert diagnose_overlap.warm_up(work, 0.0) == 1  # always at least one call
     assert diagnose_overlap.warm_up(work, 0.3) == 2

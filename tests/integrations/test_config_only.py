@@ -1,7 +1,8 @@
 """Config-only enablement: unmodified scripts that call ``deepspeed.initialize`` (directly, through the HF
-Trainer, or through a plain accelerate script) get LoongForge's modules from the config's ``"loongforge"`` block alone, via the installed
-``loongforge_autoload.pth``. Each script runs in its own process (the hook acts at interpreter start), on
-DeepSpeed's CPU accelerator as a single-rank job; the DeepSpeed runs go in parallel to keep the file short.
+Trainer, or through a plain accelerate script) get LoongForge's modules from the config's ``"loongforge"`` block
+alone, via the installed ``loongforge_autoload.pth``. Each script runs in its own process (the hook acts at
+interpreter start), on DeepSpeed's CPU accelerator, as one rank or two; the single-rank DeepSpeed runs go in
+parallel to keep the file short.
 """
 
 from __future__ import annotations
