@@ -204,12 +204,15 @@ def _result(output: str) -> dict:
     return _tagged(output, "RESULT")
 
 
-def _run_script(tmp_path, text: str, config: dict, *args: str) -> str:
-    """Write the script and its config under tmp_path, run it as one rank in its own process; its output."""
+def _run_script(tmp_path, text: str, config: dict, *args: str, ranks: int = 1) -> str:
+    """Write the script and its config under tmp_path and run it, as one process or as ``ranks`` processes
+    under torch.distributed.run; its output (every rank's)."""
     script = _write(tmp_path, "script.py", text)
     config_path = _write(tmp_path, "ds_config.json", json.dumps(config))
-    proc = subprocess.run([sys.executable, str(script), str(config_path), *args], cwd=tmp_path, env=_env({}),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                                    str(_free_port())]
+    proc = subprocess.run([sys.executable, *launch, str(script), str(config_path), *args], cwd=tmp_path,
+                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the script failed (exit {proc.returncode}):\n{output[-6000:]}"
     return output
@@ -363,14 +366,8 @@ def test_expert_parallel_from_the_block_alone(tmp_path, autoload_installed):
     """An unmodified script run on 2 ranks with moe.ep_size=2 in the block gets expert-parallel MoE layers:
     the hook initialises torch.distributed before inject, as deepspeed.initialize would just after (a user found
     the MoE blocks left stock, "needs torch.distributed initialised before inject")."""
-    script = _write(tmp_path, "train_ds.py", DEEPSPEED_SCRIPT)
-    config = _write(tmp_path, "ep.json", json.dumps({**DS_BASE, "loongforge": {"enabled": True,
-                                                                                "moe": {"ep_size": 2}}}))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(EP_SCRIPT_RANKS),
-                           "--master_port", str(_free_port()), str(script), str(config)], cwd=tmp_path,
-                          env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    output = _run_script(tmp_path, DEEPSPEED_SCRIPT, {**DS_BASE, "loongforge": {"enabled": True, "moe": {
+        "ep_size": 2}}}, ranks=EP_SCRIPT_RANKS)
     results = _tagged_all(output, "RESULT")
     assert len(results) == EP_SCRIPT_RANKS, output[-6000:]
     for result in results:
@@ -388,16 +385,11 @@ def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, accelerate_inst
     import torch
     from transformers import MixtralForCausalLM
 
-    script = _write(tmp_path, "train_hf_ep.py", TRAINER_EP_SCRIPT)
-    config = _write(tmp_path, "hf_ep.json", json.dumps({**HF_BASE, "zero_optimization": {"stage": 2},
-                                                        "gradient_clipping": 1.0, "loongforge": {
-        "enabled": True, "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": True}}}))
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(script), str(config), str(out)], cwd=tmp_path, env=_env({}),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the Trainer script failed (exit {proc.returncode}):\n{output[-6000:]}"
+    output = _run_script(tmp_path, TRAINER_EP_SCRIPT, {**HF_BASE, "zero_optimization": {"stage": 2},
+                                                       "gradient_clipping": 1.0, "loongforge": {
+        "enabled": True, "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": True}}}, str(out),
+                         ranks=EP_SCRIPT_RANKS)
     assert "[LoongForge] FusedAdamWClip takes the script's AdamW" in output
     # the expert weights in a group of their own, whose lr the Trainer's schedule drives too (linear over 2 steps
     # from 1e-3: 0 after the last); the Trainer builds its scheduler on the engine's optimizer, all three groups
