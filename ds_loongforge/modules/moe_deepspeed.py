@@ -30,7 +30,8 @@ What DeepSpeed 0.19.8's engine needs from an MoE layer, and how this file provid
   keys (one [2I, H] / [H, I] slice per expert) and, when loading, stacks them back. Calls through a parent
   (``model.state_dict()``) keep the stacked transformers names, so a model's state dict still loads into
   MixtralSparseMoeBlock. Files are per global expert, so a checkpoint reloads into DeepSpeedExpertMaskedMoE
-  layers of another ep_size, 1 included (module states; the optimizer's partitions follow the ep_size). A
+  layers of another ep_size, 1 included (module states; ``ds_loongforge.checkpoint`` rebuilds the ZeRO optimizer
+  state for the new partitions, which DeepSpeed would take rank by rank from the old ones). A
   model injected with ``moe.ep_size`` 1 holds plain ExpertMaskedMoE layers, which DeepSpeed does not see as
   MoE: its engine reads no per-expert files, so it cannot load an expert-parallel checkpoint (the engine's
   ``load_checkpoint`` says so: integrations.deepspeed_hook); ``ds_loongforge.export`` writes the checkpoint's
@@ -61,6 +62,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import groups
 
+from ds_loongforge import checkpoint
 from ds_loongforge.modules.moe import ExpertMaskedMoE, StackedExperts
 
 logger = logging.getLogger("ds_loongforge")
@@ -180,6 +182,7 @@ class DeepSpeedExpertMaskedMoE(ExpertMaskedMoE):
             param.group_name = experts.expert_group_name
             param.loongforge_stacked_experts = True
         _install_expert_parallel_grad_norm()
+        checkpoint.install()  # the optimizer state across ep_size, expert layout and world size
         if dist.is_initialized():
             self._bind(expert_parallel_group(ep_size, use_data_before_expert_parallel, adopt_existing=True))
 

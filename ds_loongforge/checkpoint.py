@@ -1,0 +1,336 @@
+"""Loading a ZeRO-1/2 checkpoint of a model with stacked experts (DeepSpeedExpertMaskedMoE) at another ep_size,
+expert-parallel group layout or data-parallel world size, with the optimizer state.
+
+Why DeepSpeed 0.19.8 alone does not:
+
+- Its ZeRO load gives each rank the optimizer partition the same rank saved. Under expert parallelism an expert
+  group is partitioned over the expert-data-parallel group, and which experts a rank holds follows the ep_size and
+  the layout (``use_data_before_expert_parallelism``). At the same world size the partitions keep their size
+  (E x P / world elements whatever the ep_size), so a checkpoint saved at ep_size 2 loads at ep_size 4 without a
+  word, and every rank's expert masters and moments are those of other experts: the next step writes them into
+  the weights. (Measured here on 4 gloo processes, ZeRO-1 and ZeRO-2, fp32 and bf16.)
+- At another world size it refuses ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world
+  size is not currently supported"); its universal checkpoints (``ds_to_universal``) know AutoEP's expert layers
+  only.
+
+What this does: ``DeepSpeedEngine.load_checkpoint`` of an engine that holds stacked experts (patched when the first
+DeepSpeedExpertMaskedMoE is built, like the gradient norm in ``modules.moe_deepspeed``) compares the saved layout
+with its own: data-parallel world size, each optimizer group's partition count, and each expert group's
+expert-parallel rank of this rank. When they agree, DeepSpeed's own load runs unchanged. When they do not, DeepSpeed
+loads everything but the optimizer (weights, per-expert files by global expert id, LR scheduler, step counters,
+client state), and then every parameter's fp32 master and Adam moments are rebuilt from the saved partitions
+(``param_slice_mappings``: each rank's fragment of each parameter, in partition order; the experts of an expert
+group from the ranks of each saved expert-data-parallel group, concatenated by expert-parallel rank) and cut to this
+rank's partition, as DeepSpeed's universal-checkpoint loader cuts its files. The base optimizer takes the moments
+and the step count through its own ``load_state_dict``; its hyper-parameters stay the running ones (the LR
+scheduler's state was loaded with the module).
+
+Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
+the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
+as it is after every step. A mismatch is an error on every rank, naming the parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("ds_loongforge")
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointLayoutError(RuntimeError):
+    """A checkpoint's optimizer state cannot be loaded into this engine as asked; the message says why and what
+    to do."""
+
+
+def _lp_groups(optimizer):
+    """The 16-bit parameter groups of a ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer) or BF16_Optimizer, whose
+    parameters carry DeepSpeed's fp32 fragment mappings; None for other optimizers."""
+    for name in ("bit16_groups", "bf16_groups"):
+        groups = getattr(optimizer, name, None)
+        if groups is not None and hasattr(optimizer, "single_partition_of_fp32_groups" if name == "bit16_groups"
+                                          else "fp32_groups_flat_partition"):
+            return groups
+    return None
+
+
+def _expert_rank(param) -> tuple[int, int]:
+    """(expert-parallel rank, ep_size) of an expert parameter, from DeepSpeed's groups."""
+    from deepspeed.utils import groups
+
+    return (groups._get_expert_parallel_rank(param.group_name),
+            groups._get_expert_parallel_world_size(param.group_name))
+
+
+class SavedOptimizer:
+    """The ZeRO-1/2 optimizer files of one saved step: its layout, and each parameter's fp32 master and moments
+    rebuilt from the ranks' partitions (memory-mapped; one parameter is materialised at a time)."""
+
+    def __init__(self, folder: str):
+        from deepspeed.runtime.config import get_expert_data_topo_config
+        from deepspeed.utils import groups
+
+        from ds_loongforge.export import _load, _model_states, _zero_files
+
+        self.folder = folder
+        states = _model_states(folder)
+        self.world = int(states["dp_world_size"])
+        files = _zero_files(folder, self.world)
+        if not files:
+            raise CheckpointLayoutError(f"{folder} holds no ZeRO optimizer files (*_optim_states.pt): it was saved "
+                                        "without the optimizer, or without ZeRO")
+        self.optim = [_load(path)["optimizer_state_dict"] for path in files]
+        first = self.optim[0]
+        counts = first["partition_count"]
+        self.partition_count = list(counts) if isinstance(counts, list) else [counts] * len(states["param_shapes"])
+        self.before = bool(get_expert_data_topo_config(states.get("ds_config") or {}))
+        self.shapes: dict[str, tuple[int, torch.Size]] = {}
+        for g, shapes in enumerate(states["param_shapes"]):
+            for name, shape in shapes.items():
+                self.shapes[name] = (g, torch.Size(shape))
+        # per expert group: ep_size, and each expert-parallel rank's expert-data-parallel ranks (partition order)
+        self.expert_layout: dict[int, tuple[int, list[list[int]], dict[int, int]]] = {}
+        for g, count in enumerate(self.partition_count):
+            if count == self.world:
+                continue
+            if self.world % count:
+                raise CheckpointLayoutError(f"{folder}: optimizer group {g} is partitioned {count} ways over "
+                                            f"{self.world} ranks, which no expert-parallel size gives")
+            ep_size = self.world // count
+            expert_parallel, expert_data_parallel = groups._get_expert_parallel_ranks(
+                self.world, 1, ep_size, 1, use_data_before_expert_parallel_=self.before)
+            ep_rank = {rank: i for members in expert_parallel for i, rank in enumerate(members)}
+            holders: list[list[int]] = [[] for _ in range(ep_size)]
+            for members in expert_data_parallel:
+                holders[ep_rank[members[0]]] = list(members)
+            self.expert_layout[g] = (ep_size, holders, ep_rank)
+
+    def step(self):
+        """The base optimizer's step count, the same in every saved group and rank (an error otherwise, or when the
+        files cannot be cut per parameter)."""
+        first = self.optim[0]
+        if not isinstance(first.get("base_optimizer_state"), dict) or "param_slice_mappings" not in first:
+            raise CheckpointLayoutError(
+                f"{self.folder} was saved with \"elastic_checkpoint\": true (or by a DeepSpeed that does not record "
+                "each parameter's place in the partitions): its optimizer state loads only at the world size, "
+                "ep_size and expert-parallel layout it was saved with")
+        steps = {None if "step" not in state else float(state["step"]) for optim in self.optim
+                 for state in optim["base_optimizer_state"]["state"].values()}
+        if len(steps) > 1:
+            raise CheckpointLayoutError(f"{self.folder}: the saved optimizer groups have taken different numbers of "
+                                        f"steps ({sorted(steps, key=str)}); one step count is needed to load them at "
+                                        "another layout")
+        return next((state["step"] for state in first["base_optimizer_state"]["state"].values()
+                     if "step" in state), None)
+
+    def ep_of(self, group: int, rank: int) -> tuple[int, int] | None:
+        """(expert-parallel rank, ep_size) a rank had in a saved expert group; None for a dense group."""
+        if group not in self.expert_layout:
+            return None
+        ep_size, _, ep_rank = self.expert_layout[group]
+        return ep_rank[rank], ep_size
+
+    def _fragments(self, group: int, ranks: list[int], name: str, key: str) -> torch.Tensor:
+        pieces = []
+        for rank in ranks:
+            optim = self.optim[rank]
+            address = optim["param_slice_mappings"][group].get(name)
+            if address is None:
+                continue
+            flat = (optim["single_partition_of_fp32_groups"][group] if key == "fp32"
+                    else optim["base_optimizer_state"]["state"][group][key])
+            pieces.append(flat.narrow(0, address.start, address.numel))
+        return torch.cat(pieces) if pieces else torch.empty(0)
+
+    def tensor(self, name: str, key: str, experts: range | None = None) -> torch.Tensor:
+        """A parameter's saved ``key`` ('fp32', 'exp_avg', 'exp_avg_sq'), whole (a dense parameter) or the given
+        global experts of an expert parameter, in fp32."""
+        if name not in self.shapes:
+            raise CheckpointLayoutError(f"{self.folder}: the checkpoint's optimizer holds no parameter named {name} "
+                                        "(saved from another model?)")
+        group, shape = self.shapes[name]
+        if group not in self.expert_layout:
+            whole = self._fragments(group, list(range(self.world)), name, key)
+            if whole.numel() != shape.numel():
+                raise CheckpointLayoutError(f"{self.folder}: {name}'s saved {key} fragments hold {whole.numel()} "
+                                            f"elements, the parameter {shape.numel()}")
+            return whole.view(shape)
+        ep_size, holders, _ = self.expert_layout[group]
+        local = shape[0]
+        if experts is None:
+            experts = range(local * ep_size)
+        parts = []
+        for e in range(experts.start // local, (experts.stop - 1) // local + 1):
+            held = self._fragments(group, holders[e], name, key)
+            if held.numel() != shape.numel():
+                raise CheckpointLayoutError(
+                    f"{self.folder}: {name}'s saved {key} on expert-parallel rank {e} (ranks {holders[e]}) holds "
+                    f"{held.numel()} elements, the local experts {shape.numel()}")
+            held = held.view(shape)
+            lo, hi = max(experts.start, e * local) - e * local, min(experts.stop, (e + 1) * local) - e * local
+            parts.append(held[lo:hi])
+        return torch.cat(parts)
+
+
+def _this_layout_matches(engine, saved: SavedOptimizer, lp_groups) -> bool:
+    """Whether every rank's saved partition is its partition now: the same world, partition counts, and (each
+    expert group) the same expert-parallel rank. Agreed on by all ranks (a layout change can leave some ranks'
+    expert-parallel rank as it was)."""
+    import deepspeed.comm as dist
+    from deepspeed.moe.utils import is_moe_param
+
+    optimizer = engine.optimizer
+    rank = dist.get_rank()
+    same = saved.world == dist.get_world_size() and saved.partition_count == list(optimizer.partition_count)
+    if same:
+        for g, params in enumerate(lp_groups):
+            expert = next((p for p in params if is_moe_param(p)), None)
+            if (expert is None) != (g not in saved.expert_layout):
+                same = False
+            elif expert is not None and _expert_rank(expert) != saved.ep_of(g, rank):
+                same = False
+    flag = torch.tensor([0 if same else 1], dtype=torch.int32, device=_device(lp_groups))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())
+
+
+def _device(lp_groups) -> torch.device:
+    return next(p.device for params in lp_groups for p in params)
+
+
+@torch.no_grad()
+def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
+    """Every fp32 master and Adam moment of ``engine``'s ZeRO-1/2 (or BF16_Optimizer) partition from a saved step
+    of any world size, ep_size and expert-parallel layout, and the base optimizer's step count; the 16-bit weights
+    are left as they are (loaded from the module files)."""
+    step = saved.step()
+    optimizer = engine.optimizer
+    lp_groups = _lp_groups(optimizer)
+    base = optimizer.optimizer
+    names = optimizer.param_names
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for g, (group, params) in enumerate(zip(base.param_groups, lp_groups)):
+        hp = group["params"][0]
+        flat = {key: torch.zeros_like(hp, device="cpu") for key in MOMENT_KEYS}
+        for lp in params:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            experts = None
+            if getattr(lp, "allreduce", True) is False:
+                ep_rank, _ = _expert_rank(lp)
+                experts = range(ep_rank * lp.shape[0], (ep_rank + 1) * lp.shape[0])
+            lp_at, hp_at = mapping.lp_fragment_address, mapping.hp_fragment_address
+            for key in ("fp32", *MOMENT_KEYS):
+                whole = saved.tensor(names[lp], key, experts)
+                if whole.shape != lp.shape:
+                    raise CheckpointLayoutError(f"{saved.folder}: {names[lp]} was saved as {tuple(whole.shape)}, "
+                                                f"this model's is {tuple(lp.shape)}")
+                piece = whole.reshape(-1).narrow(0, lp_at.start, lp_at.numel)
+                target = mapping.hp_fragment if key == "fp32" else flat[key].narrow(0, hp_at.start, hp_at.numel)
+                target.copy_(piece)
+        moments[g] = flat
+    state = base.state_dict()
+    for g, group in enumerate(state["param_groups"]):
+        index = group["params"][0]
+        entry = dict(moments[g])
+        if step is not None:
+            entry["step"] = step.clone() if torch.is_tensor(step) else step
+        state["state"][index] = entry
+    base.load_state_dict(state)
+    optimizer._load_global_state(saved.optim[0])
+    optimizer._hp_optimizer_states_linked = False  # the fragments of the new moments, as after a step
+    optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def check_masters_match_weights(engine, folder: str) -> None:
+    """Every fp32 master of this rank, rounded to its weight's dtype, is that weight (as after every step): the
+    optimizer state belongs to these parameters. Collective: every rank raises, naming the first mismatches."""
+    import deepspeed.comm as dist
+
+    lp_groups = _lp_groups(engine.optimizer)
+    names = engine.optimizer.param_names
+    wrong = []
+    for params in lp_groups:
+        for lp in params:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            cast, weight = mapping.hp_fragment.to(lp.dtype), mapping.lp_fragment
+            if not bool(((cast == weight) | (cast.isnan() & weight.isnan())).all()):
+                wrong.append(names[lp])
+    count = torch.tensor([len(wrong)], dtype=torch.int64, device=_device(lp_groups))
+    dist.all_reduce(count)
+    if count.item():
+        raise CheckpointLayoutError(
+            f"[LoongForge] {folder}: after loading, {int(count.item())} fp32 masters (this rank: {wrong[:4]}) are not "
+            "the weights the checkpoint holds for them, so the optimizer state belongs to other parameters; do not "
+            "train from this engine. Load with the ep_size, expert-parallel layout and world size the checkpoint was "
+            "saved with, or report the layout this happened at")
+
+
+def _wants_optimizer_state(engine, load_optimizer_states: bool, load_module_only: bool) -> bool:
+    return (load_optimizer_states and not load_module_only and bool(engine.zero_optimization())
+            and not engine.load_universal_checkpoint() and _lp_groups(engine.optimizer) is not None
+            and getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module))
+
+
+def _holds_stacked_experts(module) -> bool:
+    from ds_loongforge.modules.moe_deepspeed import DeepSpeedStackedExperts
+
+    return any(isinstance(m, DeepSpeedStackedExperts) for m in module.modules())
+
+
+def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                    load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+    """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
+    from ds_loongforge.export import tag_folder
+
+    kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
+                  custom_load_fn=custom_load_fn)
+    if not _wants_optimizer_state(engine, load_optimizer_states, load_module_only):
+        return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                        load_module_only=load_module_only, **kwargs)
+    folder = tag_folder(load_dir, tag)
+    if not os.path.isdir(folder):  # no 'latest' and no tag: DeepSpeed's own answer (a warning, None)
+        return original(engine, load_dir, tag, load_optimizer_states=True, load_module_only=False, **kwargs)
+    saved = SavedOptimizer(folder)
+    lp_groups = _lp_groups(engine.optimizer)
+    if _this_layout_matches(engine, saved, lp_groups):
+        result = original(engine, load_dir, tag, load_optimizer_states=True, load_module_only=False, **kwargs)
+    else:
+        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
+        if result[0] is not None:
+            load_saved_optimizer_state(engine, saved)
+            expert_groups = sorted({ep for ep, _, _ in saved.expert_layout.values()})
+            logger.info("[LoongForge] %s: saved by %d ranks (expert groups at ep_size %s%s), loaded at %d ranks: "
+                        "fp32 masters and Adam moments rebuilt from the saved partitions", folder, saved.world,
+                        expert_groups or "-", ", data before expert parallelism" if saved.before else "",
+                        torch.distributed.get_world_size())
+    if result[0] is not None:
+        check_masters_match_weights(engine, folder)
+    return result
+
+
+def install() -> None:
+    """Route ``DeepSpeedEngine.load_checkpoint`` through ``load_checkpoint`` (once per process)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    current = DeepSpeedEngine.load_checkpoint
+    if getattr(current, "__loongforge_original__", None) is not None:
+        return
+    original = current
+
+    @functools.wraps(original)
+    def patched(self, load_dir, tag=None, *args, **kwargs):
+        return load_checkpoint(original, self, load_dir, tag, *args, **kwargs)
+
+    patched.__loongforge_original__ = original
+    DeepSpeedEngine.load_checkpoint = patched
+    logger.info("[LoongForge] DeepSpeedEngine.load_checkpoint -> optimizer state across ep_size, expert layout and "
+                "world size for stacked experts (ds_loongforge.checkpoint)")

@@ -1,0 +1,206 @@
+"""ds_loongforge.checkpoint: a ZeRO-1/2 checkpoint of a model with stacked experts loads, with its optimizer state,
+at another ep_size, expert-parallel layout or world size (CPU accelerator, gloo, several processes).
+
+One checkpoint per optimizer (ZeRO-2 fp32 with torch's AdamW, ZeRO-2 bf16 with FusedAdamWClip, ZeRO-1 bf16 under
+DeepSpeed's BF16_Optimizer), saved by 4 ranks at ep_size 2 in DeepSpeed's default layout after two steps, then
+loaded by fresh engines:
+- 4 ranks at ep_size 4, and at ep_size 2 in the other layout (use_data_before_expert_parallelism);
+- 2 ranks at ep_size 2, and at ep_size 1 (every rank holds every expert).
+After each load every rank's fp32 masters and Adam moments equal, bit for bit, the saving engine's for the
+parameters and experts the rank now holds, and the step counters are the saved ones; at ep_size 4 the next step's
+parameters equal the saving engine's next step (the same data; only the reduction order differs). And the check
+every load ends with catches DeepSpeed's own load of such a checkpoint (which takes each rank's partition as the
+same rank saved it): forced down that path, the load raises instead of training on other experts' moments.
+"""
+
+import logging
+import os
+
+import pytest
+import torch
+
+import deepspeed  # noqa: E402  (an install requirement: a missing one must fail, not skip)
+
+from tests._dist import spawn_with_deadline  # noqa: E402
+from tests.modules.test_moe_deepspeed import E, H, INTER, K, _batches, _deepspeed_net, _Net, _reference  # noqa: E402
+
+CASES = ("zero2_fp32", "zero2_bf16_fused", "zero1_bf16")
+SAVED_WORLD, SAVED_EP = 4, 2
+TIMEOUT_S = 240
+
+
+def _setup(rank: int, world: int, port: int) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _engine(case: str, ep_size: int, ep_rank: int, seed: int, before: bool = False):
+    from ds_loongforge.modules.moe_deepspeed import DeepSpeedExpertMaskedMoE, moe_param_groups
+    from ds_loongforge.optim import initialize
+
+    if before:  # built after torch.distributed is up: the layer makes its groups, in the config's layout
+        net = _Net(DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=ep_size,
+                                            use_data_before_expert_parallel=True))
+    else:
+        net = _deepspeed_net(_reference(seed), ep_size, ep_rank)
+    stage = 1 if case == "zero1_bf16" else 2
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": case != "zero2_fp32"}, "steps_per_print": 10**9,
+              "use_data_before_expert_parallelism": before}
+    if case == "zero2_bf16_fused":
+        config["optimizer"] = {"type": "LoongForgeAdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "impl": "cpu"}}
+        engine, *_ = initialize(model=net, model_parameters=moe_param_groups(net), config=config)
+    else:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
+        if case == "zero1_bf16":  # fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    return net, engine
+
+
+def _train(engine, rank: int, batches) -> None:
+    dtype = engine.module.proj.weight.dtype
+    for x, target in batches:
+        engine.backward(engine(x[rank].to(dtype), target[rank].to(dtype)))
+        engine.step()
+
+
+def _states(net, engine) -> dict:
+    """Every parameter's fp32 master and Adam moments as this rank's engine holds them (its experts only), read
+    from the partitions through DeepSpeed's fragment addresses."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    optimizer = engine.optimizer
+    groups = getattr(optimizer, "bit16_groups", None) or optimizer.bf16_groups
+    flat_of = {id(lp): optimizer.optimizer.param_groups[i]["params"][0] for i, g in enumerate(groups) for lp in g}
+    out = {}
+    for name, param in net.named_parameters():
+        out[name] = {"fp32": safe_get_full_fp32_param(param).clone()}
+        mapping = param._hp_mapping
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole = torch.zeros(param.numel())
+            if mapping is not None:
+                flat = optimizer.optimizer.state[flat_of[id(param)]][key]
+                whole.narrow(0, mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel).copy_(
+                    flat.narrow(0, mapping.hp_fragment_address.start, mapping.hp_fragment_address.numel))
+            torch.distributed.all_reduce(whole, group=param._dp_group)
+            out[name][key] = whole.view(param.shape)
+    steps = {float(s["step"]) for s in optimizer.optimizer.state.values()}
+    return {"states": out, "steps": steps, "global_steps": engine.global_steps}
+
+
+def _ep_rank(net) -> int:
+    return net.moe.ep_rank
+
+
+def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
+    _setup(rank, world, port)
+    from ds_loongforge.checkpoint import CheckpointLayoutError
+
+    batches = _batches(world, seed, steps=3)
+    results = {}
+    for case in CASES:
+        net, engine = _engine(case, SAVED_EP, rank % SAVED_EP, seed)
+        _train(engine, rank, batches[:2])
+        engine.save_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
+        results[case] = {"saved": _states(net, engine), "saved_ep_rank": _ep_rank(net)}
+        _train(engine, rank, batches[2:])
+        results[case]["continued"] = {n: p.detach().float().clone() for n, p in net.named_parameters()}
+
+        net, engine = _engine(case, 4, rank, seed + 1)
+        path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
+        assert path is not None
+        results[case]["ep4"] = {**_states(net, engine), "ep_rank": _ep_rank(net)}
+        _train(engine, rank, batches[2:])
+        results[case]["ep4_next"] = {n: p.detach().float().clone() for n, p in net.named_parameters()}
+
+    # DeepSpeed's own load of the ep_size-2 checkpoint at ep_size 4 (the load this module replaces) is caught
+    import ds_loongforge.checkpoint as checkpoint
+
+    matches = checkpoint._this_layout_matches
+    checkpoint._this_layout_matches = lambda *args: True
+    try:
+        net, engine = _engine("zero2_fp32", 4, rank, seed + 2)
+        with pytest.raises(CheckpointLayoutError) as error:
+            engine.load_checkpoint(f"{ckpt_dir}/zero2_fp32", tag="step2")
+        results["forced_error"] = str(error.value)
+    finally:
+        checkpoint._this_layout_matches = matches
+    torch.save(results, f"{out_dir}/saved{rank}.pt")
+
+
+def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
+    _setup(rank, world, port)
+    results = {}
+    for case in CASES:
+        for label, ep_size, before in loads:
+            net, engine = _engine(case, ep_size, 0, seed + 3, before=before)
+            path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
+            assert path is not None
+            results[(case, label)] = {**_states(net, engine), "ep_rank": _ep_rank(net), "ep_size": ep_size}
+    torch.save(results, f"{out_dir}/{loads[0][0]}{rank}.pt")
+
+
+def _global(saved: list[dict], name: str, key: str) -> torch.Tensor:
+    """The saving engine's tensor with every expert: the ep ranks' local experts, in ep-rank order."""
+    if ".experts." not in name:
+        return saved[0]["saved"]["states"][name][key]
+    by_ep = {r["saved_ep_rank"]: r["saved"]["states"][name][key] for r in saved}
+    return torch.cat([by_ep[e] for e in range(SAVED_EP)])
+
+
+def _assert_loaded(saved_case: list[dict], loaded: dict, ep_size: int, what: str) -> None:
+    local = E // ep_size
+    experts = slice(loaded["ep_rank"] * local, (loaded["ep_rank"] + 1) * local)
+    for name, keys in loaded["states"].items():
+        for key, value in keys.items():
+            want = _global(saved_case, name, key)
+            want = want[experts] if ".experts." in name else want
+            assert torch.equal(value, want), f"{what}: {name} {key} differs from the saved one"
+    assert loaded["steps"] == saved_case[0]["saved"]["steps"] == {2.0}, what
+    assert loaded["global_steps"] == 2, what
+
+
+def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path):
+    seed = int(torch.randint(0, 2**31, ()))
+    ckpt = str(tmp_path / "ckpt")
+    spawn_with_deadline(_save_and_reload_worker, SAVED_WORLD, ckpt, str(tmp_path), seed, timeout_s=TIMEOUT_S)
+    spawn_with_deadline(_reload_worker, 2, ckpt, str(tmp_path), seed,
+                        [("world2_ep2", 2, False), ("world2_ep1", 1, False)], timeout_s=TIMEOUT_S)
+    spawn_with_deadline(_reload_worker, 4, ckpt, str(tmp_path), seed, [("before_ep2", 2, True)], timeout_s=TIMEOUT_S)
+    saved = [torch.load(tmp_path / f"saved{rank}.pt", weights_only=False) for rank in range(SAVED_WORLD)]
+    world2 = [torch.load(tmp_path / f"world2_ep2{rank}.pt", weights_only=False) for rank in range(2)]
+    before = [torch.load(tmp_path / f"before_ep2{rank}.pt", weights_only=False) for rank in range(4)]
+
+    for case in CASES:
+        saved_case = [s[case] for s in saved]
+        for rank in range(SAVED_WORLD):
+            _assert_loaded(saved_case, saved[rank][case]["ep4"], 4, f"{case}, 4 ranks at ep_size 4, rank {rank}")
+            _assert_loaded(saved_case, before[rank][(case, "before_ep2")], 2,
+                           f"{case}, 4 ranks at ep_size 2 with data before expert parallelism, rank {rank}")
+        for rank in range(2):
+            for label, ep_size in (("world2_ep2", 2), ("world2_ep1", 1)):
+                _assert_loaded(saved_case, world2[rank][(case, label)], ep_size, f"{case}, {label}, rank {rank}")
+        # the other layout puts rank 1 at ep rank 0 (it held ep rank 1's experts when saving): a real change
+        assert before[1][(case, "before_ep2")]["ep_rank"] == 0 and saved_case[1]["saved_ep_rank"] == 1
+
+        # the step after loading at ep_size 4 is the saving engine's next step on the same data
+        first = saved_case[0]["continued"]
+        continued = {name: torch.cat([saved_case[r]["continued"][name] for r in range(SAVED_EP)])
+                     if ".experts." in name else first[name] for name in first}
+        tol = {"rtol": 0, "atol": 1e-6} if case == "zero2_fp32" else {"rtol": 0, "atol": 1e-2}
+        for rank in range(SAVED_WORLD):
+            for name, value in saved[rank][case]["ep4_next"].items():
+                experts = slice(rank * (E // 4), (rank + 1) * (E // 4))
+                want = continued[name][experts] if ".experts." in name else continued[name]
+                torch.testing.assert_close(value, want, **tol, msg=f"{case}, ep_size 4, rank {rank}, {name}")
+        moved = saved_case[0]["continued"]["moe.experts.down_proj"]
+        assert not torch.equal(moved, _global(saved_case, "moe.experts.down_proj", "fp32")[:E // SAVED_EP])
+
+    for rank in range(SAVED_WORLD):
+        message = saved[rank]["forced_error"]
+        assert "are not the weights the checkpoint holds for them" in message and "moe.experts" in message, message
