@@ -337,6 +337,31 @@ class BatchStream:
             self.loader.batch_sampler.close()
 
 
+def data_state_for_world(state: dict, saved_world: int, world: int, warn: bool = True) -> dict:
+    """A BatchStream position saved by ``saved_world`` ranks, for ``world`` ranks. Without the expert-aware
+    sampler every rank reads every ``world``-th sample of the epoch's one permutation (DistributedSampler), so the
+    ranks have used a prefix of it, ``saved_world * consumed`` micro-batches long: the same prefix is
+    ``saved_world * consumed / world`` micro-batches a rank at the new size (rounded down when it does not divide:
+    those few samples are read again, said in a warning). The expert-aware sampler plans its batches for its
+    number of ranks, so its position does not carry over (an error naming the way on)."""
+    if saved_world == world:
+        return state
+    if "sampler" in state:
+        raise ValueError(
+            f"--resume: the checkpoint was saved by {saved_world} ranks and this run has {world}. The model and the "
+            "optimizer state load at another world size and ep_size, but the expert-aware sampler's position does "
+            f"not: it planned epoch {state['epoch']}'s batches for {saved_world} ranks. Resume with {saved_world} "
+            "ranks, or start a run at this size from the checkpoint's weights (loongforge_export CHECKPOINT OUT, then "
+            "--model OUT; the optimizer state starts fresh), or resume with --no-expert-aware-sampler in both runs")
+    used = state["consumed"] * saved_world
+    consumed, repeat = divmod(used, world)
+    if repeat and warn:
+        logger.warning("--resume at %d ranks from a checkpoint of %d: the %d micro-batches used of epoch %d do not "
+                       "split over %d ranks; the last %d are read again", world, saved_world, used, state["epoch"],
+                       world, repeat)
+    return {**state, "consumed": consumed}
+
+
 def build_train_stream(dataset, ds_config, model, micro_batch, rank, world, expert_aware, pad_id,
                        pin_memory: bool = False) -> BatchStream:
     """``pin_memory`` (CUDA runs): page-locked host batches, so the non_blocking device copy is asynchronous."""
@@ -636,7 +661,8 @@ def main(argv=None) -> dict:
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file)")
         start_step = client["step"]
-        stream.load_state_dict(client["data"])
+        stream.load_state_dict(data_state_for_world(client["data"], client.get("world", world), world,
+                                                    warn=rank == 0))
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, start_step, stream.epoch,
                     stream.consumed)
 
@@ -644,7 +670,8 @@ def main(argv=None) -> dict:
 
     def save(step: int) -> None:
         engine.save_checkpoint(args.save_dir, tag=f"step{step}",
-                               client_state={"step": step, "data": stream.state_dict(pending=batches.pending)})
+                               client_state={"step": step, "world": world,
+                                             "data": stream.state_dict(pending=batches.pending)})
         if rank == 0:  # beside 'latest': loongforge_export writes a folder from_pretrained loads
             engine.module.config.save_pretrained(args.save_dir)
 

@@ -181,6 +181,59 @@ def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path):
     assert math.isfinite(resumed["loss_history"][0][1])
 
 
+def test_resume_at_another_world_size_and_ep_size(tmp_path):
+    """Saved by 2 processes at ep_size 2, resumed by 4 at ep_size 4: DeepSpeed loads the module, and
+    ds_loongforge.checkpoint rebuilds the optimizer state for the new partitions (tests/test_checkpoint.py checks
+    it bit for bit); the data position carries over as the same prefix of the epoch's permutation."""
+    launcher = Path(sys.executable).parent / "deepspeed"
+    if not launcher.exists():
+        pytest.skip(f"no deepspeed launcher next to {sys.executable}")
+    config = json.loads((ROOT / "ds_configs" / "multi_gpu_ep.json").read_text())
+    config["loongforge"]["moe"]["ep_size"] = 4
+    (tmp_path / "ep4.json").write_text(json.dumps(config))
+    ckpt = tmp_path / "ckpt"
+
+    def run(world: int, cfg: str, steps: int, *extra: str) -> dict:
+        return _summary([str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()), str(TRAIN),
+                         *FAST, "--deepspeed_config", cfg, "--steps", str(steps), "--max-documents", "30",
+                         "--no-expert-aware-sampler", "--save-dir", str(ckpt), *extra])
+
+    saved = run(2, "ds_configs/multi_gpu_ep.json", 3)
+    resumed = run(4, str(tmp_path / "ep4.json"), 4, "--resume")
+    assert saved["world_size"] == 2 and resumed["world_size"] == 4 and resumed["start_step"] == 3, resumed
+    assert f"{ckpt / 'step3'}: saved by 2 ranks (expert groups at ep_size [2]), loaded at 4 ranks" in resumed["_log"]
+    # 3 steps x 2 ranks = 6 micro-batches of the epoch used: 1 a rank at 4 ranks, the last 2 read again
+    assert "the 6 micro-batches used of epoch 0 do not split over 4 ranks; the last 2 are read again" in \
+        resumed["_log"]
+    assert "(epoch 0, batch 1)" in resumed["_log"]
+    _assert_finite(resumed)
+
+
+def test_data_position_at_another_world_size_is_the_same_prefix():
+    """Without the expert-aware sampler the ranks have used a prefix of the epoch's permutation; at another world
+    size the position is the same prefix (rounded down when it does not split)."""
+    from torch.utils.data import DistributedSampler
+
+    samples, micro = list(range(97)), 3
+
+    def used(world: int, consumed: int) -> set:
+        return {i for rank in range(world)
+                for i in list(DistributedSampler(samples, world, rank, seed=5, drop_last=True))[:consumed * micro]}
+
+    state = {"epoch": 2, "consumed": 4}
+    for saved_world, world in ((2, 4), (4, 2), (3, 2), (2, 3), (4, 4)):
+        moved = train.data_state_for_world(state, saved_world, world, warn=False)
+        assert moved["epoch"] == 2
+        if (4 * saved_world) % world == 0:
+            assert used(world, moved["consumed"]) == used(saved_world, 4), (saved_world, world)
+        else:  # rounded down: a prefix of what was used, short of it by less than a step of the new world
+            assert used(world, moved["consumed"]) < used(saved_world, 4)
+            assert len(used(saved_world, 4)) - len(used(world, moved["consumed"])) < world * micro
+    with pytest.raises(ValueError, match="expert-aware sampler's position does not"):
+        train.data_state_for_world({**state, "sampler": {}}, 2, 4)
+    assert train.data_state_for_world({**state, "sampler": {}}, 2, 2)["consumed"] == 4
+
+
 def test_model_folder_with_weights_is_the_starting_point(tmp_path):
     model = train.build_model("tiny", 259, 64)
     model.save_pretrained(tmp_path / "weights")
