@@ -226,9 +226,10 @@ def _explain_expert_files_on_load(engine) -> None:
                 f"[LoongForge] {folder} was saved with expert parallelism: its experts are "
                 f"in {len(expert_files)} per-expert files, which DeepSpeed reads only into a model with MoE layers, "
                 "and this model was injected with loongforge.moe.ep_size 1 (plain ExpertMaskedMoE layers, the "
-                "experts under their transformers keys). Load it with the moe.ep_size > 1 it was saved with, or start "
-                "from its weights: loongforge_export CHECKPOINT OUT writes them (fp32 masters, every expert) as a "
-                "folder from_pretrained loads") from error
+                "experts under their transformers keys). Load it with a moe.ep_size > 1 (any that divides the number "
+                "of experts and the world size; the optimizer state follows: ds_loongforge.checkpoint), or start from "
+                "its weights: loongforge_export CHECKPOINT OUT writes them (fp32 masters, every expert) as a folder "
+                "from_pretrained loads") from error
 
     engine.load_checkpoint = load_checkpoint
 

@@ -265,5 +265,5 @@ def test_loading_an_expert_parallel_checkpoint_into_an_ep_size_1_model_says_why(
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["round_trip"]
     assert "saved with expert parallelism" in result["error"] and "1 per-expert files" in result["error"]
-    assert "Load it with the moe.ep_size > 1" in result["error"] and "loongforge_export" in result["error"]
+    assert "Load it with a moe.ep_size > 1" in result["error"] and "loongforge_export" in result["error"]
     assert "Missing key(s)" in result["cause"] and "experts.gate_up_proj" in result["cause"]
