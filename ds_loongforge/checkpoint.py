@@ -261,7 +261,8 @@ def check_masters_match_weights(engine, folder: str) -> None:
             mapping = lp._hp_mapping
             if mapping is None:
                 continue
-            cast, weight = mapping.hp_fragment.to(lp.dtype), mapping.lp_fragment
+            weight = mapping.lp_fragment  # the masters may live on the host (offload_optimizer)
+            cast = mapping.hp_fragment.to(device=weight.device, dtype=weight.dtype)
             if not bool(((cast == weight) | (cast.isnan() & weight.isnan())).all()):
                 wrong.append(names[lp])
     count = torch.tensor([len(wrong)], dtype=torch.int64, device=_device(lp_groups))
