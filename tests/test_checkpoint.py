@@ -93,6 +93,12 @@ def _states(net, engine) -> dict:
     return {"states": out, "steps": steps, "global_steps": engine.global_steps}
 
 
+def _masters(net) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(param).clone() for name, param in net.named_parameters()}
+
+
 def _ep_rank(net) -> int:
     return net.moe.ep_rank
 
@@ -109,14 +115,14 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
         engine.save_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
         results[case] = {"saved": _states(net, engine), "saved_ep_rank": _ep_rank(net)}
         _train(engine, rank, batches[2:])
-        results[case]["continued"] = {n: p.detach().float().clone() for n, p in net.named_parameters()}
+        results[case]["continued"] = _masters(net)
 
         net, engine = _engine(case, 4, rank, seed + 1)
         path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
         assert path is not None
         results[case]["ep4"] = {**_states(net, engine), "ep_rank": _ep_rank(net)}
         _train(engine, rank, batches[2:])
-        results[case]["ep4_next"] = {n: p.detach().float().clone() for n, p in net.named_parameters()}
+        results[case]["ep4_next"] = _masters(net)
 
     # DeepSpeed's own load of the ep_size-2 checkpoint at ep_size 4 (the load this module replaces) is caught
     import ds_loongforge.checkpoint as checkpoint
@@ -188,11 +194,14 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
         # the other layout puts rank 1 at ep rank 0 (it held ep rank 1's experts when saving): a real change
         assert before[1][(case, "before_ep2")]["ep_rank"] == 0 and saved_case[1]["saved_ep_rank"] == 1
 
-        # the step after loading at ep_size 4 is the saving engine's next step on the same data
+        # the step after loading at ep_size 4 is the saving engine's next step on the same data: the fp32 masters
+        # agree up to the gradients' reduction order (bf16: up to 2.4e-4 seen, from the expert GEMMs' rounding over
+        # other token groupings, which Adam's normalised update carries), well below the ~lr (0.01) by which experts'
+        # moments of other experts or another step count's bias correction move them
         first = saved_case[0]["continued"]
         continued = {name: torch.cat([saved_case[r]["continued"][name] for r in range(SAVED_EP)])
                      if ".experts." in name else first[name] for name in first}
-        tol = {"rtol": 0, "atol": 1e-6} if case == "zero2_fp32" else {"rtol": 0, "atol": 1e-2}
+        tol = {"rtol": 0, "atol": 1e-6} if case == "zero2_fp32" else {"rtol": 0, "atol": 1e-3}
         for rank in range(SAVED_WORLD):
             for name, value in saved[rank][case]["ep4_next"].items():
                 experts = slice(rank * (E // 4), (rank + 1) * (E // 4))
