@@ -287,6 +287,26 @@ def _holds_stacked_experts(module) -> bool:
     return any(isinstance(m, DeepSpeedStackedExperts) for m in module.modules())
 
 
+def _check_unpartitioned_ep_size(engine, folder: str) -> None:
+    """Without ZeRO, DeepSpeed saves the whole optimizer state of each expert-parallel rank (its experts' moments
+    stacked [E/ep, ...]) in ``expp_rank_<e>_mp_rank_00_optim_states.pt`` and loads the file of this rank's
+    expert-parallel rank: at another ep_size a rank finds no file or one of other experts' shapes. Said here, the
+    same on every rank, before anything loads."""
+    import glob
+
+    from ds_loongforge.modules.moe_deepspeed import DeepSpeedStackedExperts
+
+    saved = len(glob.glob(os.path.join(folder, "expp_rank_*_mp_rank_00_optim_states.pt")))
+    sizes = {m.ep_size for m in engine.module.modules() if isinstance(m, DeepSpeedStackedExperts)}
+    if saved and sizes and sizes != {saved}:
+        raise CheckpointLayoutError(
+            f"[LoongForge] {folder} was saved without ZeRO at ep_size {saved} (one optimizer file per "
+            f"expert-parallel rank) and this engine runs ep_size {sorted(sizes)[0]}: without ZeRO the optimizer state "
+            f"loads only at the ep_size it was saved with. Load it at ep_size {saved}, or with "
+            "load_optimizer_states=False (the weights load at any ep_size; the Adam moments start afresh); ZeRO-1/2 "
+            "checkpoints load at any ep_size with their optimizer state")
+
+
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
@@ -294,6 +314,9 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
+    if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
+            and getattr(engine, "has_moe_layers", False)):
+        _check_unpartitioned_ep_size(engine, tag_folder(load_dir, tag))
     if not _wants_optimizer_state(engine, load_optimizer_states, load_module_only):
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
                         load_module_only=load_module_only, **kwargs)

@@ -11,6 +11,8 @@ parameters and experts the rank now holds, and the step counters are the saved o
 parameters equal the saving engine's next step (the same data; only the reduction order differs). And the check
 every load ends with catches DeepSpeed's own load of such a checkpoint (which takes each rank's partition as the
 same rank saved it): forced down that path, the load raises instead of training on other experts' moments.
+Without ZeRO (one optimizer file per expert-parallel rank) another ep_size is an error on every rank, and the weights
+alone load.
 """
 
 import logging
@@ -46,10 +48,10 @@ def _engine(case: str, ep_size: int, ep_rank: int, seed: int, before: bool = Fal
                                             use_data_before_expert_parallel=True))
     else:
         net = _deepspeed_net(_reference(seed), ep_size, ep_rank)
-    stage = 1 if case == "zero1_bf16" else 2
+    stage = {"zero1_bf16": 1, "zero0_fp32": 0}.get(case, 2)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "bf16": {"enabled": case != "zero2_fp32"}, "steps_per_print": 10**9,
+              "bf16": {"enabled": "bf16" in case}, "steps_per_print": 10**9,
               "use_data_before_expert_parallelism": before}
     if case == "zero2_bf16_fused":
         config["optimizer"] = {"type": "LoongForgeAdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "impl": "cpu"}}
@@ -109,6 +111,22 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
 
     batches = _batches(world, seed, steps=3)
     results = {}
+    # without ZeRO each expert-parallel rank's whole optimizer state is one file: another ep_size is an error on
+    # every rank before anything loads (DeepSpeed: a missing file on some ranks, the others hang), and the weights
+    # alone still load. First, while ep_size 2 is this process's largest expert group: DeepSpeed names those files
+    # by the rank in the largest group any engine of the process has made
+    net, engine = _engine("zero0_fp32", SAVED_EP, rank % SAVED_EP, seed)
+    _train(engine, rank, batches[:1])
+    engine.save_checkpoint(f"{ckpt_dir}/zero0_fp32", tag="step1")
+    saved_weights = {n: p.detach().clone() for n, p in net.named_parameters()}
+    net, engine = _engine("zero0_fp32", 4, rank, seed + 4)
+    with pytest.raises(CheckpointLayoutError) as error:
+        engine.load_checkpoint(f"{ckpt_dir}/zero0_fp32", tag="step1")
+    results["zero0_error"] = str(error.value)
+    engine.load_checkpoint(f"{ckpt_dir}/zero0_fp32", tag="step1", load_optimizer_states=False)
+    results["zero0_weights"] = {"saved": saved_weights, "loaded": {n: p.detach().clone()
+                                                                   for n, p in net.named_parameters()}}
+
     for case in CASES:
         net, engine = _engine(case, SAVED_EP, rank % SAVED_EP, seed)
         _train(engine, rank, batches[:2])
@@ -136,6 +154,7 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
         results["forced_error"] = str(error.value)
     finally:
         checkpoint._this_layout_matches = matches
+
     torch.save(results, f"{out_dir}/saved{rank}.pt")
 
 
@@ -213,3 +232,17 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
     for rank in range(SAVED_WORLD):
         message = saved[rank]["forced_error"]
         assert "are not the weights the checkpoint holds for them" in message and "moe.experts" in message, message
+        message = saved[rank]["zero0_error"]
+        assert "saved without ZeRO at ep_size 2" in message and "runs ep_size 4" in message, message
+        assert "load_optimizer_states=False" in message, message
+    # the weights without ZeRO at ep_size 4: rank r's experts, from the saving rank of the same expert-parallel
+    # rank (rank e held ep rank e's experts at ep_size 2)
+    for rank in range(SAVED_WORLD):
+        for name, value in saved[rank]["zero0_weights"]["loaded"].items():
+            if ".experts." in name:
+                first = rank * (E // 4)
+                ep_rank, start = divmod(first, E // SAVED_EP)
+                want = saved[ep_rank]["zero0_weights"]["saved"][name][start:start + E // 4]
+            else:
+                want = saved[0]["zero0_weights"]["saved"][name]
+            assert torch.equal(value, want), f"ZeRO-0 weights at ep_size 4, rank {rank}, {name}"
