@@ -75,7 +75,7 @@ class SavedOptimizer:
         from deepspeed.runtime.config import get_expert_data_topo_config
         from deepspeed.utils import groups
 
-        from ds_loongforge.export import _load, _model_states, _zero_files
+        from ds_loongforge.export import _model_states, _zero_files
 
         self.folder = folder
         states = _model_states(folder)
@@ -84,9 +84,8 @@ class SavedOptimizer:
         if not files:
             raise CheckpointLayoutError(f"{folder} holds no ZeRO optimizer files (*_optim_states.pt): it was saved "
                                         "without the optimizer, or without ZeRO")
-        self.optim = [_load(path)["optimizer_state_dict"] for path in files]
-        first = self.optim[0]
-        counts = first["partition_count"]
+        self._files, self._optim = files, {}
+        counts = self.optim(0)["partition_count"]
         self.partition_count = list(counts) if isinstance(counts, list) else [counts] * len(states["param_shapes"])
         self.before = bool(get_expert_data_topo_config(states.get("ds_config") or {}))
         self.shapes: dict[str, tuple[int, torch.Size]] = {}
@@ -110,17 +109,26 @@ class SavedOptimizer:
                 holders[ep_rank[members[0]]] = list(members)
             self.expert_layout[g] = (ep_size, holders, ep_rank)
 
+    def optim(self, rank: int) -> dict:
+        """Rank ``rank``'s saved optimizer state dict, read (memory-mapped) on first use: comparing layouts reads
+        rank 0's alone, rebuilding the state every rank's."""
+        if rank not in self._optim:
+            from ds_loongforge.export import _load
+
+            self._optim[rank] = _load(self._files[rank])["optimizer_state_dict"]
+        return self._optim[rank]
+
     def step(self):
         """The base optimizer's step count, the same in every saved group and rank (an error otherwise, or when the
         files cannot be cut per parameter)."""
-        first = self.optim[0]
+        first = self.optim(0)
         if not isinstance(first.get("base_optimizer_state"), dict) or "param_slice_mappings" not in first:
             raise CheckpointLayoutError(
                 f"{self.folder} was saved with \"elastic_checkpoint\": true (or by a DeepSpeed that does not record "
                 "each parameter's place in the partitions): its optimizer state loads only at the world size, "
                 "ep_size and expert-parallel layout it was saved with")
-        steps = {None if "step" not in state else float(state["step"]) for optim in self.optim
-                 for state in optim["base_optimizer_state"]["state"].values()}
+        steps = {None if "step" not in state else float(state["step"]) for rank in range(self.world)
+                 for state in self.optim(rank)["base_optimizer_state"]["state"].values()}
         if len(steps) > 1:
             raise CheckpointLayoutError(f"{self.folder}: the saved optimizer groups have taken different numbers of "
                                         f"steps ({sorted(steps, key=str)}); one step count is needed to load them at "
@@ -138,7 +146,7 @@ class SavedOptimizer:
     def _fragments(self, group: int, ranks: list[int], name: str, key: str) -> torch.Tensor:
         pieces = []
         for rank in ranks:
-            optim = self.optim[rank]
+            optim = self.optim(rank)
             address = optim["param_slice_mappings"][group].get(name)
             if address is None:
                 continue
@@ -243,7 +251,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
             entry["step"] = step.clone() if torch.is_tensor(step) else step
         state["state"][index] = entry
     base.load_state_dict(state)
-    optimizer._load_global_state(saved.optim[0])
+    optimizer._load_global_state(saved.optim(0))
     optimizer._hp_optimizer_states_linked = False  # the fragments of the new moments, as after a step
     optimizer._lazy_init_hp_params_optimizer_state()
 
@@ -310,7 +318,7 @@ def _check_unpartitioned_ep_size(engine, folder: str) -> None:
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
-    from ds_loongforge.export import tag_folder
+    from ds_loongforge.export import MODEL_FILE, tag_folder
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
@@ -321,7 +329,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
                         load_module_only=load_module_only, **kwargs)
     folder = tag_folder(load_dir, tag)
-    if not os.path.isdir(folder):  # no 'latest' and no tag: DeepSpeed's own answer (a warning, None)
+    if not os.path.isfile(os.path.join(folder, MODEL_FILE)):  # e.g. no 'latest': DeepSpeed's answer (a warning, None)
         return original(engine, load_dir, tag, load_optimizer_states=True, load_module_only=False, **kwargs)
     saved = SavedOptimizer(folder)
     lp_groups = _lp_groups(engine.optimizer)

@@ -142,6 +142,10 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
         _train(engine, rank, batches[2:])
         results[case]["ep4_next"] = _masters(net)
 
+    # a folder without a checkpoint (no 'latest'): DeepSpeed's answer, a warning and (None, None)
+    os.makedirs(f"{ckpt_dir}/empty", exist_ok=True)
+    assert engine.load_checkpoint(f"{ckpt_dir}/empty") == (None, None)
+
     # DeepSpeed's own load of the ep_size-2 checkpoint at ep_size 4 (the load this module replaces) is caught
     import ds_loongforge.checkpoint as checkpoint
 
