@@ -73,9 +73,8 @@ class SavedOptimizer:
 
     def __init__(self, folder: str):
         from deepspeed.runtime.config import get_expert_data_topo_config
-        from deepspeed.utils import groups
 
-        from ds_loongforge.export import _model_states, _zero_files
+        from ds_loongforge.export import _model_states, _zero_files, expert_data_parallel_ranks
 
         self.folder = folder
         states = _model_states(folder)
@@ -101,13 +100,7 @@ class SavedOptimizer:
                 raise CheckpointLayoutError(f"{folder}: optimizer group {g} is partitioned {count} ways over "
                                             f"{self.world} ranks, which no expert-parallel size gives")
             ep_size = self.world // count
-            expert_parallel, expert_data_parallel = groups._get_expert_parallel_ranks(
-                self.world, 1, ep_size, 1, use_data_before_expert_parallel_=self.before)
-            ep_rank = {rank: i for members in expert_parallel for i, rank in enumerate(members)}
-            holders: list[list[int]] = [[] for _ in range(ep_size)]
-            for members in expert_data_parallel:
-                holders[ep_rank[members[0]]] = list(members)
-            self.expert_layout[g] = (ep_size, holders, ep_rank)
+            self.expert_layout[g] = (ep_size, *expert_data_parallel_ranks(self.world, ep_size, self.before))
 
     def optim(self, rank: int) -> dict:
         """Rank ``rank``'s saved optimizer state dict, read (memory-mapped) on first use: comparing layouts reads

@@ -171,12 +171,29 @@ def _unflatten(partitions: list[torch.Tensor], shapes: dict, paddings: list | No
     return out
 
 
+def expert_data_parallel_ranks(world: int, ep_size: int, data_before_expert: bool
+                               ) -> tuple[list[list[int]], dict[int, int]]:
+    """DeepSpeed's expert groups of size ep_size over ``world`` ranks (``deepspeed.utils.groups``, in the layout
+    ``use_data_before_expert_parallelism`` picks): the expert-data-parallel ranks holding each expert-parallel
+    rank's experts, in partition order, by expert-parallel rank; and each rank's expert-parallel rank."""
+    from deepspeed.utils import groups
+
+    expert_parallel, expert_data_parallel = groups._get_expert_parallel_ranks(
+        world, 1, ep_size, 1, use_data_before_expert_parallel_=data_before_expert)
+    ep_rank = {rank: i for members in expert_parallel for i, rank in enumerate(members)}
+    holders: list[list[int]] = [[] for _ in range(ep_size)]
+    for members in expert_data_parallel:
+        held = {ep_rank[rank] for rank in members}
+        assert len(held) == 1, (members, held)
+        holders[held.pop()] = list(members)
+    return holders, ep_rank
+
+
 def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, torch.Tensor]:
     """The optimizer's fp32 master of every trainable parameter of a ZeRO-1/2 checkpoint, under the engine's
     parameter names, each expert parameter with all E experts. Empty when the checkpoint has no ZeRO optimizer
     files (ZeRO-0, or saved without the optimizer)."""
     from deepspeed.runtime.config import get_expert_data_topo_config
-    from deepspeed.utils import groups
 
     states = model_states if model_states is not None else _model_states(folder)
     world = int(states["dp_world_size"])
@@ -221,15 +238,9 @@ def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, tor
         if world % counts[g]:
             raise CheckpointExportError(f"{folder}: optimizer group {g} is partitioned {counts[g]} ways over "
                                         f"{world} ranks, which no expert-parallel size gives")
-        ep_size = world // counts[g]
-        expert_parallel, expert_data_parallel = groups._get_expert_parallel_ranks(
-            world, 1, ep_size, 1, use_data_before_expert_parallel_=before)
-        ep_rank = {rank: i for members in expert_parallel for i, rank in enumerate(members)}
-        local = [None] * ep_size
-        for members in expert_data_parallel:
-            holders = {ep_rank[rank] for rank in members}
-            assert len(holders) == 1, (members, holders)
-            local[holders.pop()] = unflatten(list(members), f"experts, ep_size {ep_size}")
+        holders, _ = expert_data_parallel_ranks(world, world // counts[g], before)
+        ep_size = len(holders)
+        local = [unflatten(members, f"experts, ep_size {ep_size}") for members in holders]
         for name in group_shapes:
             masters[name] = torch.cat([local[e][name] for e in range(ep_size)])
     return masters
