@@ -210,6 +210,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     of any world size, ep_size and expert-parallel layout, and the base optimizer's step count; the 16-bit weights
     are left as they are (loaded from the module files)."""
     step = saved.step()
+    keys = MOMENT_KEYS if step is not None else ()  # saved before the first step: no moments yet
     optimizer = engine.optimizer
     lp_groups = _lp_groups(optimizer)
     base = optimizer.optimizer
@@ -217,7 +218,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     moments: dict[int, dict[str, torch.Tensor]] = {}
     for g, (group, params) in enumerate(zip(base.param_groups, lp_groups)):
         hp = group["params"][0]
-        flat = {key: torch.zeros_like(hp, device="cpu") for key in MOMENT_KEYS}
+        flat = {key: torch.zeros_like(hp, device="cpu") for key in keys}
         for lp in params:
             mapping = lp._hp_mapping
             if mapping is None:
@@ -227,7 +228,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
                 ep_rank, _ = _expert_rank(lp)
                 experts = range(ep_rank * lp.shape[0], (ep_rank + 1) * lp.shape[0])
             lp_at, hp_at = mapping.lp_fragment_address, mapping.hp_fragment_address
-            for key in ("fp32", *MOMENT_KEYS):
+            for key in ("fp32", *keys):
                 whole = saved.tensor(names[lp], key, experts)
                 if whole.shape != lp.shape:
                     raise CheckpointLayoutError(f"{saved.folder}: {names[lp]} was saved as {tuple(whole.shape)}, "
@@ -237,16 +238,43 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
                 target.copy_(piece)
         moments[g] = flat
     state = base.state_dict()
+    hyper = _saved_hyperparameters(saved, state["param_groups"])
     for g, group in enumerate(state["param_groups"]):
-        index = group["params"][0]
-        entry = dict(moments[g])
+        group.update(hyper[g])
         if step is not None:
-            entry["step"] = step.clone() if torch.is_tensor(step) else step
-        state["state"][index] = entry
+            state["state"][group["params"][0]] = {**moments[g],
+                                                  "step": step.clone() if torch.is_tensor(step) else step}
     base.load_state_dict(state)
     optimizer._load_global_state(saved.optim(0))
     optimizer._hp_optimizer_states_linked = False  # the fragments of the new moments, as after a step
     optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def _saved_hyperparameters(saved: SavedOptimizer, groups: list[dict]) -> list[dict]:
+    """Each current parameter group's saved hyper-parameters (lr, betas, weight decay, ...), as DeepSpeed's own load
+    restores them: an LR scheduler sets the lr only at its next step. Groups pair in order when the saved ones have
+    the same dense/expert ('moe') sequence; otherwise (another ep_size can split the expert groups otherwise) by
+    kind, which the saved groups of that kind must then agree on."""
+    def hyper(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k not in ("params", "name")}
+
+    saved_groups = saved.optim(0)["base_optimizer_state"]["param_groups"]
+    if [bool(s.get("moe")) for s in saved_groups] == [bool(g.get("moe")) for g in groups]:
+        return [hyper(s) for s in saved_groups]
+    by_kind: dict[bool, list[dict]] = {}
+    for s in saved_groups:
+        by_kind.setdefault(bool(s.get("moe")), []).append(hyper(s))
+    out = []
+    for group in groups:
+        kind = bool(group.get("moe"))
+        options = by_kind.get(kind, [])
+        if not options or any(o != options[0] for o in options):
+            raise CheckpointLayoutError(
+                f"{saved.folder}: the saved optimizer has {len(saved_groups)} parameter groups, this engine "
+                f"{len(groups)}, and the saved {'expert' if kind else 'dense'} groups' hyper-parameters "
+                f"({options or 'none'}) do not say which this engine's take")
+        out.append(options[0])
+    return out
 
 
 def check_masters_match_weights(engine, folder: str) -> None:

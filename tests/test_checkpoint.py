@@ -12,7 +12,7 @@ parameters equal the saving engine's next step (the same data; only the reductio
 every load ends with catches DeepSpeed's own load of such a checkpoint (which takes each rank's partition as the
 same rank saved it): forced down that path, the load raises instead of training on other experts' moments.
 Without ZeRO (one optimizer file per expert-parallel rank) another ep_size is an error on every rank, and the weights
-alone load.
+alone load. A checkpoint saved before the first step (no moments) loads at ep_size 4 and takes the same first step.
 """
 
 import logging
@@ -52,7 +52,10 @@ def _engine(case: str, ep_size: int, ep_rank: int, seed: int, before: bool = Fal
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": "bf16" in case}, "steps_per_print": 10**9,
-              "use_data_before_expert_parallelism": before}
+              "use_data_before_expert_parallelism": before,
+              # an lr that changes every step: a load must restore the saved one, as DeepSpeed's does
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                                                           "warmup_num_steps": 8, "warmup_type": "linear"}}}
     if case == "zero2_bf16_fused":
         config["optimizer"] = {"type": "LoongForgeAdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "impl": "cpu"}}
         engine, *_ = initialize(model=net, model_parameters=moe_param_groups(net), config=config)
@@ -92,7 +95,8 @@ def _states(net, engine) -> dict:
             torch.distributed.all_reduce(whole, group=param._dp_group)
             out[name][key] = whole.view(param.shape)
     steps = {float(s["step"]) for s in optimizer.optimizer.state.values()}
-    return {"states": out, "steps": steps, "global_steps": engine.global_steps}
+    lrs = {bool(g.get("moe")): g["lr"] for g in optimizer.param_groups}
+    return {"states": out, "steps": steps, "global_steps": engine.global_steps, "lrs": lrs}
 
 
 def _masters(net) -> dict:
@@ -141,6 +145,15 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
         results[case]["ep4"] = {**_states(net, engine), "ep_rank": _ep_rank(net)}
         _train(engine, rank, batches[2:])
         results[case]["ep4_next"] = _masters(net)
+
+    # saved before the first step (no moments yet): the masters load, and the next step starts Adam afresh
+    net, engine = _engine("zero2_fp32", SAVED_EP, rank % SAVED_EP, seed + 5)
+    engine.save_checkpoint(f"{ckpt_dir}/step0", tag="step0")
+    net4, engine4 = _engine("zero2_fp32", 4, rank, seed + 6)
+    engine4.load_checkpoint(f"{ckpt_dir}/step0", tag="step0")
+    _train(engine4, rank, batches[:1])
+    _train(engine, rank, batches[:1])
+    results["step0"] = {"loaded_next": _masters(net4), "saved_next": _masters(net)}
 
     # a folder without a checkpoint (no 'latest'): DeepSpeed's answer, a warning and (None, None)
     os.makedirs(f"{ckpt_dir}/empty", exist_ok=True)
@@ -192,6 +205,8 @@ def _assert_loaded(saved_case: list[dict], loaded: dict, ep_size: int, what: str
             assert torch.equal(value, want), f"{what}: {name} {key} differs from the saved one"
     assert loaded["steps"] == saved_case[0]["saved"]["steps"] == {2.0}, what
     assert loaded["global_steps"] == 2, what
+    assert loaded["lrs"] == saved_case[0]["saved"]["lrs"] and len(set(loaded["lrs"].values())) == 1, what
+    assert 0.001 < loaded["lrs"][True] < 0.01, what  # in the warm-up, past its first value
 
 
 def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path):
@@ -232,6 +247,15 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
                 torch.testing.assert_close(value, want, **tol, msg=f"{case}, ep_size 4, rank {rank}, {name}")
         moved = saved_case[0]["continued"]["moe.experts.down_proj"]
         assert not torch.equal(moved, _global(saved_case, "moe.experts.down_proj", "fp32")[:E // SAVED_EP])
+
+    for rank in range(SAVED_WORLD):  # the first step after loading a step-0 checkpoint at ep_size 4
+        experts = slice(rank * (E // 4), (rank + 1) * (E // 4))
+        for name, value in saved[rank]["step0"]["loaded_next"].items():
+            if ".experts." in name:
+                want = torch.cat([saved[r]["step0"]["saved_next"][name] for r in range(SAVED_EP)])[experts]
+            else:
+                want = saved[0]["step0"]["saved_next"][name]
+            torch.testing.assert_close(value, want, rtol=0, atol=1e-6, msg=f"step-0 checkpoint, rank {rank}, {name}")
 
     for rank in range(SAVED_WORLD):
         message = saved[rank]["forced_error"]
