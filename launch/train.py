@@ -352,7 +352,8 @@ def data_state_for_world(state: dict, saved_world: int, world: int, warn: bool =
             "optimizer state load at another world size and ep_size, but the expert-aware sampler's position does "
             f"not: it planned epoch {state['epoch']}'s batches for {saved_world} ranks. Resume with {saved_world} "
             "ranks, or start a run at this size from the checkpoint's weights (loongforge_export CHECKPOINT OUT, then "
-            "--model OUT; the optimizer state starts fresh), or resume with --no-expert-aware-sampler in both runs")
+            "--model OUT; the optimizer state starts fresh). A run saved with --no-expert-aware-sampler resumes at "
+            "any number of ranks")
     used = state["consumed"] * saved_world
     consumed, repeat = divmod(used, world)
     if repeat and warn:
