@@ -123,6 +123,33 @@ report(engine.module, trainer.optimizer, engine)
 leave()
 """
 
+# the HF Trainer resuming TRAINER_EP_SCRIPT's checkpoint-2 on 4 ranks at another ep_size: each rank saves its fp32
+# masters as the first resumed step begins (after the Trainer's load, before any update)
+TRAINER_RESUME_SCRIPT = TRAINER_RUN.replace("max_steps=2", "max_steps=3").replace(
+    "SAVE_ARGS", 'save_strategy="no"').replace("trainer.train()", """
+from transformers import TrainerCallback
+from deepspeed.utils import safe_get_full_fp32_param
+
+
+class FirstStep(TrainerCallback):
+    done = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.done:
+            self.done = True
+            module = trainer.model_wrapped.module
+            ep_rank = next(m.ep_rank for m in module.modules() if type(m).__name__ == "DeepSpeedExpertMaskedMoE")
+            torch.save({"masters": {n: safe_get_full_fp32_param(p) for n, p in module.named_parameters()},
+                        "ep_rank": ep_rank, "step": state.global_step},
+                       f"{sys.argv[2]}/resumed{torch.distributed.get_rank()}.pt")
+
+
+trainer.add_callback(FirstStep())
+trainer.train(resume_from_checkpoint=sys.argv[3])""") + """
+print("RESUMED " + json.dumps({"step": trainer.state.global_step}))
+leave()
+"""
+
 # a plain accelerate script: DeepSpeed through accelerate's plugin, the script's own AdamW and loader
 ACCELERATE_SCRIPT = MODEL_SNIPPET + """
 from accelerate import Accelerator
@@ -381,7 +408,7 @@ def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, accelerate_inst
     """The HF Trainer on 2 ranks with moe.ep_size 2 and FusedAdamWClip from the block alone (its AdamW's groups
     had no 'moe' group, which ZeRO asserts on), then its checkpoint through loongforge_export: the Trainer's own
     model.safetensors holds rank 0's experts only, the export every expert's fp32 master as DeepSpeed assembles
-    it, in a folder from_pretrained loads."""
+    it, in a folder from_pretrained loads; and the Trainer resumes the checkpoint on 4 ranks at ep_size 4."""
     import torch
     from transformers import MixtralForCausalLM
 
@@ -408,6 +435,22 @@ def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, accelerate_inst
     for name, master in ranks[0].items():
         want = torch.cat([ranks[0][name], ranks[1][name]]) if ".experts." in name else master
         assert torch.equal(state[name], want), name
+
+    # the Trainer resumes that checkpoint on 4 ranks at ep_size 4 (one expert a rank): the optimizer state follows
+    # the experts (ds_loongforge.checkpoint), every rank's masters the saved ones, then a third step
+    output = _run_script(tmp_path, TRAINER_RESUME_SCRIPT, {**HF_BASE, "zero_optimization": {"stage": 2},
+                                                           "gradient_clipping": 1.0, "loongforge": {
+        "enabled": True, "moe": {"ep_size": 4}, "optimizer": {"fused_adamw_clip": True}}}, str(out),
+                         str(out / "checkpoint-2"), ranks=4)
+    assert "saved by 2 ranks (expert groups at ep_size [2]), loaded at 4 ranks" in output
+    assert _tagged(output, "RESUMED")["step"] == 3
+    for rank in range(4):
+        resumed = torch.load(out / f"resumed{rank}.pt")
+        assert resumed["step"] == 2 and resumed["ep_rank"] == rank, resumed["ep_rank"]
+        for name, value in resumed["masters"].items():
+            want = torch.cat([ranks[0][name], ranks[1][name]])[rank:rank + 1] if ".experts." in name else \
+                ranks[0][name]
+            assert torch.equal(value, want), f"rank {rank}, {name}"
 
 
 def test_library_entry_points_are_lazy():
