@@ -21,9 +21,10 @@ loads everything but the optimizer (weights, per-expert files by global expert i
 client state), and then every parameter's fp32 master and Adam moments are rebuilt from the saved partitions
 (``param_slice_mappings``: each rank's fragment of each parameter, in partition order; the experts of an expert
 group from the ranks of each saved expert-data-parallel group, concatenated by expert-parallel rank) and cut to this
-rank's partition, as DeepSpeed's universal-checkpoint loader cuts its files. The base optimizer takes the moments
-and the step count through its own ``load_state_dict``; its hyper-parameters stay the running ones (the LR
-scheduler's state was loaded with the module).
+rank's partition, as DeepSpeed's universal-checkpoint loader cuts its files. The base optimizer takes the moments,
+the step count and the saved groups' hyper-parameters (the lr an LR scheduler last set, as DeepSpeed's own load
+restores it) through its own ``load_state_dict``. Without ZeRO (one optimizer file per expert-parallel rank) another
+ep_size is an error before anything loads.
 
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
 the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
