@@ -50,14 +50,9 @@ class CheckpointLayoutError(RuntimeError):
 
 
 def _lp_groups(optimizer):
-    """The 16-bit parameter groups of a ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer) or BF16_Optimizer, whose
-    parameters carry DeepSpeed's fp32 fragment mappings; None for other optimizers."""
-    for name in ("bit16_groups", "bf16_groups"):
-        groups = getattr(optimizer, name, None)
-        if groups is not None and hasattr(optimizer, "single_partition_of_fp32_groups" if name == "bit16_groups"
-                                          else "fp32_groups_flat_partition"):
-            return groups
-    return None
+    """The 16-bit parameter groups of a ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer: bit16_groups) or
+    BF16_Optimizer (bf16_groups), whose parameters carry DeepSpeed's fp32 fragment mappings; None for others."""
+    return getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
 
 
 def _expert_rank(param) -> tuple[int, int]:
@@ -210,6 +205,8 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     """Every fp32 master and Adam moment of ``engine``'s ZeRO-1/2 (or BF16_Optimizer) partition from a saved step
     of any world size, ep_size and expert-parallel layout, and the base optimizer's step count; the 16-bit weights
     are left as they are (loaded from the module files)."""
+    from deepspeed.moe.utils import is_moe_param
+
     step = saved.step()
     keys = MOMENT_KEYS if step is not None else ()  # saved before the first step: no moments yet
     optimizer = engine.optimizer
@@ -225,7 +222,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
             if mapping is None:
                 continue
             experts = None
-            if getattr(lp, "allreduce", True) is False:
+            if is_moe_param(lp):
                 ep_rank, _ = _expert_rank(lp)
                 experts = range(ep_rank * lp.shape[0], (ep_rank + 1) * lp.shape[0])
             lp_at, hp_at = mapping.lp_fragment_address, mapping.hp_fragment_address
@@ -283,6 +280,8 @@ def check_masters_match_weights(engine, folder: str) -> None:
     optimizer state belongs to these parameters. Collective: every rank raises, naming the first mismatches."""
     import deepspeed.comm as dist
 
+    from ds_loongforge.export import _rounds_to
+
     lp_groups = _lp_groups(engine.optimizer)
     names = engine.optimizer.param_names
     wrong = []
@@ -292,8 +291,7 @@ def check_masters_match_weights(engine, folder: str) -> None:
             if mapping is None:
                 continue
             weight = mapping.lp_fragment  # the masters may live on the host (offload_optimizer)
-            cast = mapping.hp_fragment.to(device=weight.device, dtype=weight.dtype)
-            if not bool(((cast == weight) | (cast.isnan() & weight.isnan())).all()):
+            if not _rounds_to(mapping.hp_fragment.to(weight.device), weight):
                 wrong.append(names[lp])
     count = torch.tensor([len(wrong)], dtype=torch.int64, device=_device(lp_groups))
     dist.all_reduce(count)

@@ -15,7 +15,6 @@ Without ZeRO (one optimizer file per expert-parallel rank) another ep_size is an
 alone load. A checkpoint saved before the first step (no moments) loads at ep_size 4 and takes the same first step.
 """
 
-import logging
 import os
 
 import pytest
@@ -24,7 +23,8 @@ import torch
 import deepspeed  # noqa: E402  (an install requirement: a missing one must fail, not skip)
 
 from tests._dist import spawn_with_deadline  # noqa: E402
-from tests.modules.test_moe_deepspeed import E, H, INTER, K, _batches, _deepspeed_net, _Net, _reference  # noqa: E402
+from tests.modules.test_moe_deepspeed import (  # noqa: E402
+    E, H, INTER, K, _batches, _deepspeed_net, _Net, _reference, _setup_env)
 
 CASES = ("zero2_fp32", "zero2_bf16_fused", "zero1_bf16")
 SAVED_WORLD, SAVED_EP = 4, 2
@@ -32,10 +32,7 @@ TIMEOUT_S = 240
 
 
 def _setup(rank: int, world: int, port: int) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
+    _setup_env(rank, world, port)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 

@@ -65,6 +65,15 @@ def _train_gpu(*args: str) -> dict:
     return _summary([sys.executable, str(TRAIN), *FAST, *args], env=env)
 
 
+@pytest.fixture
+def launcher() -> Path:
+    """DeepSpeed's ``deepspeed`` launcher script, installed beside this Python."""
+    path = Path(sys.executable).parent / "deepspeed"
+    if not path.exists():
+        pytest.skip(f"no deepspeed launcher next to {sys.executable}")
+    return path
+
+
 def _assert_finite(summary: dict) -> None:
     for _, loss in summary["loss_history"]:
         assert math.isfinite(loss) and 0 < loss < 10, summary["loss_history"]
@@ -146,10 +155,7 @@ def test_no_loongforge_runs_stock(tmp_path):
     assert summary["step_times"] == [] and summary["median_step_s_last_half"] is None and summary["mfu"] is None
 
 
-def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path):
-    launcher = Path(sys.executable).parent / "deepspeed"
-    if not launcher.exists():
-        pytest.skip(f"no deepspeed launcher next to {sys.executable}")
+def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path, launcher):
     # 57 held-out sequences and up to 8 eval batches a rank: split by rank alone, rank 0 got one batch more than
     # rank 1 and waited in its expert-parallel exchange while rank 1 was in the eval loss's all-reduce (a hang)
     ckpt = tmp_path / "ckpt"
@@ -181,13 +187,10 @@ def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path):
     assert math.isfinite(resumed["loss_history"][0][1])
 
 
-def test_resume_at_another_world_size_and_ep_size(tmp_path):
+def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
     """Saved by 2 processes at ep_size 2, resumed by 4 at ep_size 4: DeepSpeed loads the module, and
     ds_loongforge.checkpoint rebuilds the optimizer state for the new partitions (tests/test_checkpoint.py checks
     it bit for bit); the data position carries over as the same prefix of the epoch's permutation."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    if not launcher.exists():
-        pytest.skip(f"no deepspeed launcher next to {sys.executable}")
     config = json.loads((ROOT / "ds_configs" / "multi_gpu_ep.json").read_text())
     config["loongforge"]["moe"]["ep_size"] = 4
     (tmp_path / "ep4.json").write_text(json.dumps(config))
