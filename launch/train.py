@@ -342,18 +342,11 @@ def data_state_for_world(state: dict, saved_world: int, world: int, warn: bool =
     sampler every rank reads every ``world``-th sample of the epoch's one permutation (DistributedSampler), so the
     ranks have used a prefix of it, ``saved_world * consumed`` micro-batches long: the same prefix is
     ``saved_world * consumed / world`` micro-batches a rank at the new size (rounded down when it does not divide:
-    those few samples are read again, said in a warning). The expert-aware sampler plans its batches for its
-    number of ranks, so its position does not carry over (an error naming the way on)."""
-    if saved_world == world:
+    those few samples are read again, said in a warning). The expert-aware sampler's state carries its number of
+    ranks: its ``load_state_dict`` deals the epoch's unused samples over the new ranks, and the position (steps
+    into the epoch) stays as it is."""
+    if saved_world == world or "sampler" in state:
         return state
-    if "sampler" in state:
-        raise ValueError(
-            f"--resume: the checkpoint was saved by {saved_world} ranks and this run has {world}. The model and the "
-            "optimizer state load at another world size and ep_size, but the expert-aware sampler's position does "
-            f"not: it planned epoch {state['epoch']}'s batches for {saved_world} ranks. Resume with {saved_world} "
-            "ranks, or start a run at this size from the checkpoint's weights (loongforge_export CHECKPOINT OUT, then "
-            "--model OUT; the optimizer state starts fresh). A run saved with --no-expert-aware-sampler resumes at "
-            "any number of ranks")
     used = state["consumed"] * saved_world
     consumed, repeat = divmod(used, world)
     if repeat and warn:

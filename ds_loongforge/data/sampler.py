@@ -37,6 +37,8 @@ competes with training, so give it a refresh_every several times larger than the
 batch each was applied at) and the pending refresh result, so ``load_state_dict`` + iterating continues
 with exactly the batches the interrupted run would have drawn. It counts batches yielded by the sampler:
 with a prefetching DataLoader, save ``state_dict(consumed=<batches the trainer consumed this epoch>)``.
+Loaded by a sampler of another number of ranks, the state goes on with the epoch's samples not drawn yet, dealt
+over the new ranks (``load_state_dict``); later epochs are the new world's own.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class ExpertAwareSampler(Sampler[list[int]]):
         self._epoch_versions: dict[int, BucketPlan] = {}  # step -> plan applied there, this epoch
         self._epoch_start: int | None = None  # step at which the epoch in progress began
         self._resume: tuple[int, int] | None = None  # (epoch, batches of it already yielded)
+        self._segments: list[tuple[int, int]] = []  # (ranks, steps) that ran this epoch at other world sizes
 
     def __len__(self) -> int:
         return self.num_global_batches
@@ -202,53 +205,81 @@ class ExpertAwareSampler(Sampler[list[int]]):
                     self.plan = applied
             self._epoch_start = start
             self._epoch_versions = {start: self.plan}
+            self._segments = []
         self._resume = None
-        for local, batch in enumerate(self._micro_batches(start, start + skip)):
-            if local < skip:
+        for step, batch in self._micro_batches(start, start + skip):
+            if step < start + skip:
                 continue
-            self._steps = start + local + 1
+            self._steps = step + 1
             yield batch
         self._epoch_start = None
         self._epoch_versions = {}
+        self._segments = []
 
     def _is_boundary(self, step: int) -> bool:
         return bool(self.refresh_every) and step > 0 and step % self.refresh_every == 0
 
-    def _micro_batches(self, start: int, live_from: int) -> Iterator[list[int]]:
-        """This rank's micro-batches of the epoch beginning at step ``start``; plans recorded for steps
-        before ``live_from`` are replayed, later boundaries run the refresh."""
-        b, world = self.batch_size, self.num_replicas
+    def _segment_steps(self, free: int, world: int) -> int:
+        """Global steps (one micro-batch a rank) that ``free`` samples give ``world`` ranks."""
+        per_step = self.batch_size * world
+        return free // per_step if self.drop_last else math.ceil(free / per_step)
+
+    def _micro_batches(self, start: int, live_from: int) -> Iterator[tuple[int, list[int]]]:
+        """(global step, micro-batch) of this rank for the epoch beginning at step ``start``; plans recorded
+        for steps before ``live_from`` are replayed, later boundaries run the refresh.
+
+        An epoch is one or more segments, each at its number of ranks: a run resumed at another world size
+        (``load_state_dict``) replays the earlier segments' steps to find the samples they used, and deals the
+        rest of the epoch over its own ranks. A segment's own length is what the samples not yet drawn give its
+        ranks (padded with repeats of them, or cut, as ``drop_last`` says)."""
+        b = self.batch_size
         rng = np.random.default_rng([self.seed, self.epoch])
         pool = rng.permutation(self.num_samples) if self.shuffle else np.arange(self.num_samples)
-        total = self.num_global_batches * b * world
-        if total > self.num_samples:
-            pool = np.concatenate([pool, np.resize(pool, total - self.num_samples)])
         taken = np.zeros(len(pool), dtype=bool)
         plan = self.plan = self._epoch_versions[start]
-        order = self._stratified_order(plan, pool, taken)
-        step, end = start, start + self.num_global_batches
-        while step < end:
-            if step != start:
+        step = start
+        for world, used in [*self._segments, (self.num_replicas, None)]:
+            taken[self.num_samples:] = True  # an earlier segment's padding: repeats, dealt anew for this one
+            free = np.flatnonzero(~taken)
+            seg_steps = self._segment_steps(len(free), world)
+            pad = seg_steps * b * world - len(free)
+            if pad > 0:
+                pool = np.concatenate([pool, np.resize(pool[free], pad)])
+                taken = np.concatenate([taken, np.zeros(pad, dtype=bool)])
+            if used is not None and used > seg_steps:
+                raise ValueError(f"ExpertAwareSampler: the saved state says {used} steps of epoch {self.epoch} ran "
+                                 f"on {world} ranks, but that segment has only {seg_steps}: a state of another "
+                                 "dataset or batch size?")
+            end = step + seg_steps  # the segment's full length: it sets the chunks, as in the run that made it
+            stop = end if used is None else step + used
+            order = None
+            while step < stop:
                 new_plan = None
-                if step < live_from:
-                    new_plan = self._epoch_versions.get(step)
-                elif self._is_boundary(step):
-                    new_plan = self._boundary(step)
-                    if new_plan is not None:
-                        self._epoch_versions[step] = new_plan
+                if step != start:
+                    if step < live_from:
+                        new_plan = self._epoch_versions.get(step)
+                    elif self._is_boundary(step):
+                        new_plan = self._boundary(step)
+                        if new_plan is not None:
+                            self._epoch_versions[step] = new_plan
                 if new_plan is not None:
                     plan = self.plan = new_plan
+                if new_plan is not None or order is None:
                     order = self._stratified_order(plan, pool, taken)
-            steps = min(max(1, CHUNK_BATCHES // world), end - step)
-            if self.refresh_every:
-                steps = min(steps, self.refresh_every - step % self.refresh_every)
-            chunk, order = order[:steps * world * b], order[steps * world * b:]
-            taken[chunk] = True
-            for m, batch in enumerate(self._partition(plan, pool[chunk], steps * world,
-                                                             np.random.default_rng([self.seed, self.epoch, step - start]))):
-                if m % world == self.rank:
-                    yield batch
-            step += steps
+                steps = min(max(1, CHUNK_BATCHES // world), end - step)
+                if self.refresh_every:
+                    steps = min(steps, self.refresh_every - step % self.refresh_every)
+                chunk, order = order[:steps * world * b], order[steps * world * b:]
+                batches = self._partition(plan, pool[chunk], steps * world,
+                                          np.random.default_rng([self.seed, self.epoch, step - start]))
+                if used is None:
+                    taken[chunk] = True
+                    for m in range(self.rank, len(batches), world):
+                        yield step + m // world, pool[chunk[batches[m]]].tolist()
+                else:  # an earlier segment, replayed: only the steps it ran used their samples
+                    ran = min(steps, stop - step) * world
+                    taken[chunk[np.concatenate(batches[:ran])]] = True
+                step = min(step + steps, stop)
 
     def _stratified_order(self, plan: BucketPlan, pool: np.ndarray, taken: np.ndarray) -> np.ndarray:
         """Pool positions not yet taken, buckets interleaved in proportion to their sizes: the i-th of a
@@ -268,14 +299,14 @@ class ExpertAwareSampler(Sampler[list[int]]):
 
     @staticmethod
     def _partition(plan: BucketPlan, samples: np.ndarray, num_batches: int,
-                   rng: np.random.Generator) -> list[list[int]]:
-        """Split ``samples`` into ``num_batches`` equal batches whose loads are closest to the dataset's load
-        profile scaled to their tokens. In rounds of one sample per batch, samples by decreasing deviation
-        from the profile: each round is an optimal assignment (scipy's linear_sum_assignment) of its samples
-        to the batches minimising the summed squared deviation of the batches after the round, so a sample
-        goes where it cancels a batch's summed deviation best. The deviations are ranked after a seeded
-        random scaling (x0.5..1.5), so that epochs (and seeds) differ even where one chunk holds the whole
-        epoch. One C call per round (not one Python step per batch): ~10x cheaper than a greedy loop."""
+                   rng: np.random.Generator) -> list[np.ndarray]:
+        """Split ``samples`` into ``num_batches`` equal batches (of positions in ``samples``) whose loads are
+        closest to the dataset's load profile scaled to their tokens. In rounds of one sample per batch,
+        samples by decreasing deviation from the profile: each round is an optimal assignment (scipy's
+        linear_sum_assignment) of its samples to the batches minimising the summed squared deviation of the
+        batches after the round, so a sample goes where it cancels a batch's summed deviation best. The
+        deviations are ranked after a seeded random scaling (x0.5..1.5), so that epochs (and seeds) differ even
+        where one chunk holds the whole epoch. One C call per round (not one Python step per batch): ~10x cheaper than a greedy loop."""
         from scipy.optimize import linear_sum_assignment
 
         tokens_N, profile_S = plan.profile()
@@ -290,8 +321,8 @@ class ExpertAwareSampler(Sampler[list[int]]):
             # assignment, the first for every choice of g's sample: only the cross term decides
             _, pick_G = linear_sum_assignment(batch_dev_GS @ dev_RS.T)
             batch_dev_GS += dev_RS[pick_G]
-            members_GR[:, r] = samples[round_X[pick_G]]
-        return members_GR.tolist()
+            members_GR[:, r] = round_X[pick_G]
+        return list(members_GR)
 
     # ---- checkpointing -------------------------------------------------------------------------------
 
@@ -319,13 +350,17 @@ class ExpertAwareSampler(Sampler[list[int]]):
             "version": 1, "seed": self.seed, "epoch": self.epoch, "num_samples": self.num_samples,
             "num_replicas": self.num_replicas, "batch_size": self.batch_size, "n_clusters": self.n_clusters,
             "in_epoch": in_epoch, "epoch_start": self._epoch_start if in_epoch else self._steps,
-            "offset": offset,
+            "offset": offset, "segments": [list(seg) for seg in self._segments] if in_epoch else [],
             "versions": {int(s): p.to_state() for s, p in versions.items()},
             "plan": self.plan.to_state(), "pending": None if pending is None else pending.to_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "num_samples", "num_replicas", "batch_size", "n_clusters"):
+        """Continue where ``state`` was saved. At another number of ranks (``num_replicas``) the epoch in
+        progress goes on over this sampler's ranks with the samples its earlier steps did not use: the saved
+        steps are replayed (no batch yielded) to find them, and the rest of the epoch is dealt as one more
+        segment; every later epoch is planned for this number of ranks from its start."""
+        for key in ("seed", "num_samples", "batch_size", "n_clusters"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"load_state_dict: the checkpoint has {key}={state[key]}, this sampler "
                                  f"{getattr(self, key)}; a resumed run must use the same settings")
@@ -337,8 +372,19 @@ class ExpertAwareSampler(Sampler[list[int]]):
             self._epoch_start = state["epoch_start"]
             self._steps = self._epoch_start + state["offset"]
             self._resume = (self.epoch, state["offset"])
+            self._segments = [(int(w), int(n)) for w, n in state.get("segments", [])]
+            ran = state["offset"] - sum(n for _, n in self._segments)  # steps at the saving run's world size
+            if ran < 0:
+                raise ValueError(f"load_state_dict: the state's segments {self._segments} hold more steps than "
+                                 f"its offset {state['offset']}")
+            if state["num_replicas"] != self.num_replicas:
+                if ran:
+                    self._segments.append((int(state["num_replicas"]), ran))
+                logger.info("[LoongForge] expert-aware sampler: epoch %d resumed at step %d on %d ranks (saved on "
+                            "%d): the rest of its samples are dealt over %d ranks", self.epoch, state["offset"],
+                            self.num_replicas, state["num_replicas"], self.num_replicas)
         else:
-            self._epoch_versions, self._epoch_start, self._resume = {}, None, None
+            self._epoch_versions, self._epoch_start, self._resume, self._segments = {}, None, None, []
             self._steps = state["epoch_start"]
 
     def close(self) -> None:

@@ -146,6 +146,119 @@ def test_exact_resume_with_refresh(stop_after, consumed):
     assert full[:keep] + out == full
 
 
+def _ranks(make, world, epoch=0, state=None, stop=None):
+    """Every rank of ``world`` (``make(rank, world)`` builds its sampler) through ``epoch`` (after ``state``, if
+    given): the batches of each global step, and rank 0's state after ``stop`` steps (None: to the end)."""
+    samplers = [make(r, world) for r in range(world)]
+    iters = []
+    for s in samplers:
+        if state is not None:
+            s.load_state_dict(state)
+        s.set_epoch(epoch)
+        iters.append(iter(s))
+    steps, saved = [], None
+    while stop is None or len(steps) < stop:
+        step = [next(it, None) for it in iters]
+        if step[0] is None:
+            assert all(b is None for b in step), "ranks ran out of batches at different steps"
+            break
+        steps.append(step)
+    if stop is not None:
+        saved = samplers[0].state_dict()
+        assert all(s.state_dict()["offset"] == saved["offset"] for s in samplers)
+    for s in samplers:
+        s.close()
+    return steps, saved
+
+
+@pytest.mark.parametrize("worlds, stops, drop_last, refresh", [
+    ((2, 4), (7,), False, 0),
+    ((4, 2), (5,), True, 0),
+    ((3, 2), (4,), False, 0),     # 250 samples: neither world divides them, so both pad
+    ((2, 3), (9,), True, 0),
+    ((2, 4, 3), (6, 2), False, 0),  # two world changes in one epoch
+    ((2, 4), (7,), False, 4),     # refresh boundaries on both sides of the change
+    ((2, 4), (0,), False, 0),     # saved before the epoch's first step
+])
+def test_resume_at_another_world_size_deals_the_rest_of_the_epoch(worlds, stops, drop_last, refresh):
+    """A state saved at one number of ranks, loaded at another: the rest of the epoch goes to the new ranks,
+    each of the epoch's samples drawn once (the padding's repeats, fewer than a global batch per world, and
+    drop_last's cut tail apart), and the next epoch is the new world's own."""
+    n, b = 250, 5
+
+    def make(rank, world):
+        src = DriftingSource(n) if refresh else planted(n)[0]
+        return ExpertAwareSampler(src, b, n_clusters=4, num_replicas=world, rank=rank, seed=1, drop_last=drop_last,
+                                  refresh_every=refresh)
+
+    drawn, state, ran = [], None, 0
+    for world, stop in zip(worlds, stops):
+        steps, state = _ranks(make, world, state=state, stop=stop)
+        ran += stop
+        assert len(steps) == stop and state["offset"] == ran
+        drawn += [i for step in steps for batch in step for i in batch]
+    rest, _ = _ranks(make, worlds[-1], state=state)
+    assert rest and all(len(batch) == b for step in rest for batch in step)
+    drawn += [i for step in rest for batch in step for i in batch]
+    if drop_last:  # the cut tail: less than the last world's global batch
+        assert len(set(drawn)) == len(drawn) and n - len(drawn) < b * worlds[-1]
+    else:  # each segment pads to its world's global batch, with fewer repeats than one
+        assert set(drawn) == set(range(n)) and len(drawn) - n < sum(b * w for w in worlds)
+    # reproducible: the same state gives every rank the same batches again
+    assert _ranks(make, worlds[-1], state=state)[0] == rest
+    if not refresh:  # the next epoch: planned for the new world from its start, as a fresh run's
+        sampler = make(0, worlds[-1])
+        sampler.load_state_dict(state)
+        for _ in range(2):
+            sampler.set_epoch(state["epoch"])
+            list(sampler)
+            state = sampler.state_dict()
+        sampler.set_epoch(1)
+        fresh = make(0, worlds[-1])
+        fresh.set_epoch(1)
+        assert list(sampler) == list(fresh)
+
+
+def test_resume_at_another_world_size_then_at_the_same_is_exact():
+    """A run resumed at 4 ranks from 2 and saved again mid-epoch resumes (at 4) with exactly the batches the
+    uninterrupted 4-rank continuation draws; the saved state records the 2-rank segment."""
+    class StepSource(DriftingSource):
+        """Router weights as of the sampler's step, like a model trained that far (the same in every run)."""
+        sampler = None
+
+        def snapshot(self):
+            return 0 if self.sampler is None else self.sampler._steps
+
+    def make(rank, world):
+        src = StepSource(400)
+        src.sampler = ExpertAwareSampler(src, 5, n_clusters=4, num_replicas=world, rank=rank, seed=3, refresh_every=3)
+        return src.sampler
+
+    _, at2 = _ranks(make, 2, stop=6)
+    whole, _ = _ranks(make, 4, state=at2)
+    head, at4 = _ranks(make, 4, state=at2, stop=5)
+    assert head == whole[:5] and at4["segments"] == [[2, 6]] and at4["offset"] == 11
+    tail, _ = _ranks(make, 4, state=at4)
+    assert head + tail == whole
+
+
+def test_balance_after_a_world_size_change():
+    """The 4-rank rest of an epoch begun on 2 ranks is as balanced as an epoch planned for 4 from the start."""
+    sigs, _ = planted(2048, experts=8, clusters=4)
+
+    def make(rank, world):
+        return ExpertAwareSampler(sigs, 16, n_clusters=8, num_replicas=world, rank=rank, seed=0)
+
+    _, state = _ranks(make, 2, stop=10)
+    rest, _ = _ranks(make, 4, state=state)
+    batches = [batch for step in rest for batch in step]
+    rng = np.random.default_rng(0)
+    pool = np.array(sorted(i for batch in batches for i in batch))
+    random_cv = np.mean([max_load_cv(batch_loads(rng.permutation(pool).reshape(-1, 16), sigs.loads_NS))
+                         for _ in range(5)])
+    assert max_load_cv(batch_loads(batches, sigs.loads_NS)) <= 0.5 * random_cv
+
+
 def test_balance_beats_random_on_planted_clusters():
     sigs, _ = planted(2048, experts=8, clusters=4)
     loads = sigs.loads_NS
@@ -223,6 +336,15 @@ def test_clear_errors_for_bad_settings():
         routing_weights(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)))
     with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1, got 0"):
         build_dataloader(ListDataset(random_rows(4)), {}, TinyMoE(), batch_size=0)
+    state = ExpertAwareSampler(sigs, 2, n_clusters=2).state_dict()
+    state.update(in_epoch=True, offset=3, segments=[[2, 4]], versions={0: state["plan"]})
+    with pytest.raises(ValueError, match=r"segments \[\(2, 4\)\] hold more steps than its offset 3"):
+        ExpertAwareSampler(sigs, 2, n_clusters=2, num_replicas=4).load_state_dict(state)
+    state.update(offset=9, segments=[[2, 4]], num_replicas=3)
+    sampler = ExpertAwareSampler(sigs, 2, n_clusters=2)
+    sampler.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"says 4 steps of epoch 0 ran on 2 ranks, but that segment has only 3"):
+        list(sampler)
     with pytest.raises(ValueError, match=r"checkpoint has batch_size=2, this sampler 5"):
         ExpertAwareSampler(sigs, 5, n_clusters=2).load_state_dict(ExpertAwareSampler(sigs, 2, n_clusters=2).state_dict())
 
