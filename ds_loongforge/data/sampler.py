@@ -306,7 +306,8 @@ class ExpertAwareSampler(Sampler[list[int]]):
         linear_sum_assignment) of its samples to the batches minimising the summed squared deviation of the
         batches after the round, so a sample goes where it cancels a batch's summed deviation best. The
         deviations are ranked after a seeded random scaling (x0.5..1.5), so that epochs (and seeds) differ even
-        where one chunk holds the whole epoch. One C call per round (not one Python step per batch): ~10x cheaper than a greedy loop."""
+        where one chunk holds the whole epoch. One C call per round (not one Python step per batch): ~10x
+        cheaper than a greedy loop."""
         from scipy.optimize import linear_sum_assignment
 
         tokens_N, profile_S = plan.profile()
