@@ -26,6 +26,13 @@ the step count and the saved groups' hyper-parameters (the lr an LR scheduler la
 restores it) through its own ``load_state_dict``. Without ZeRO (one optimizer file per expert-parallel rank) another
 ep_size is an error before anything loads.
 
+An engine whose experts are unsharded (plain ExpertMaskedMoE layers: a model injected with ``moe.ep_size`` 1,
+which DeepSpeed does not see as MoE) reads no per-expert files, so DeepSpeed alone fails on the missing expert
+weights of an expert-parallel checkpoint. Here the module state is the model file plus each layer's per-expert files
+stacked in expert order, and the ZeRO-1/2 optimizer state is rebuilt as above, every expert on every rank (pairing
+the saved dense groups with this engine's, which DeepSpeed split the same way). Without ZeRO only the weights load
+(an error says so). integrations.deepspeed_hook installs this for such engines.
+
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
 the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
 as it is after every step. A mismatch is an error on every rank, naming the parameters.
@@ -262,6 +269,16 @@ def _saved_hyperparameters(saved: SavedOptimizer, groups: list[dict]) -> list[di
     by_kind: dict[bool, list[dict]] = {}
     for s in saved_groups:
         by_kind.setdefault(bool(s.get("moe")), []).append(hyper(s))
+    kinds = [bool(g.get("moe")) for g in groups]
+    if all(kinds.count(kind) == len(by_kind.get(kind, [])) for kind in set(kinds)):
+        # each kind's groups in order: DeepSpeed splits every group of the model into its dense and expert parts,
+        # so an engine without expert groups (its experts unsharded) has the saved dense groups' sequence
+        seen = {kind: 0 for kind in kinds}
+        out = []
+        for kind in kinds:
+            out.append(by_kind[kind][seen[kind]])
+            seen[kind] += 1
+        return out
     out = []
     for group in groups:
         kind = bool(group.get("moe"))
@@ -335,6 +352,67 @@ def _check_unpartitioned_ep_size(engine, folder: str) -> None:
             "checkpoints load at any ep_size with their optimizer state")
 
 
+def _holds_unsharded_experts(engine) -> bool:
+    """Stacked experts that DeepSpeed does not see as MoE (ExpertMaskedMoE without expert parallelism: a model
+    injected with moe.ep_size 1): every expert is an ordinary data-parallel parameter here."""
+    from ds_loongforge.modules.moe import StackedExperts
+    from ds_loongforge.modules.moe_deepspeed import DeepSpeedStackedExperts
+
+    return not getattr(engine, "has_moe_layers", False) and any(
+        isinstance(m, StackedExperts) and not isinstance(m, DeepSpeedStackedExperts) for m in engine.module.modules())
+
+
+def _expert_files(folder: str) -> list[str]:
+    import glob
+
+    from ds_loongforge.export import EXPERT_FILES_GLOB
+
+    return glob.glob(os.path.join(folder, EXPERT_FILES_GLOB))
+
+
+def _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only, kwargs):
+    """An expert-parallel checkpoint into an engine whose experts are unsharded (``_holds_unsharded_experts``).
+    DeepSpeed reads per-expert files only into MoE layers, so its load of the module file would miss every expert
+    weight; here the module state is that file plus each layer's per-expert files stacked in global expert order
+    (``export.saved_weights``: the 16-bit weights the run trained with), and the ZeRO-1/2 optimizer state is rebuilt
+    per parameter as for another ep_size (every expert on every rank: one expert-parallel rank of one)."""
+    from ds_loongforge.export import _model_states, saved_weights
+
+    wants_optimizer = load_optimizer_states and not load_module_only
+    if wants_optimizer and not (engine.zero_optimization() and _lp_groups(engine.optimizer) is not None):
+        raise CheckpointLayoutError(
+            f"[LoongForge] {folder} was saved with expert parallelism, and this engine holds every expert (no "
+            "expert parallelism) without ZeRO-1/2, where DeepSpeed keeps the optimizer state in one file per rank of "
+            "the saving layout. Load it with load_optimizer_states=False (the weights load; the Adam moments start "
+            "afresh), or with ZeRO stage 1 or 2, where the optimizer state is rebuilt for this engine")
+    states = _model_states(folder)
+    experts = {key: value for key, value in saved_weights(folder, states).items() if key not in states["module"]}
+    strict, user_fn = kwargs["load_module_strict"], kwargs["custom_load_fn"]
+
+    def with_experts(src, dst):  # DeepSpeed's custom_load_fn(src=the module file's state dict, dst=the module)
+        src.update(experts)
+        if user_fn is not None:
+            user_fn(src=src, dst=dst)
+        else:
+            dst.load_state_dict(src, strict=strict)
+
+    result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
+                      **{**kwargs, "custom_load_fn": with_experts})
+    if result[0] is None:
+        return result
+    if wants_optimizer:
+        saved = SavedOptimizer(folder)
+        load_saved_optimizer_state(engine, saved)
+        logger.info("[LoongForge] %s: saved by %d ranks (expert groups at ep_size %s), loaded at %d ranks with every "
+                    "expert unsharded: weights from the per-expert files, fp32 masters and Adam moments rebuilt from "
+                    "the saved partitions", folder, saved.world,
+                    sorted({ep for ep, _, _ in saved.expert_layout.values()}) or "-",
+                    torch.distributed.get_world_size())
+    if _lp_groups(engine.optimizer) is not None:
+        check_masters_match_weights(engine, folder)
+    return result
+
+
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
@@ -342,6 +420,11 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
+    if _holds_unsharded_experts(engine) and not engine.load_universal_checkpoint():
+        folder = tag_folder(load_dir, tag)
+        if os.path.isfile(os.path.join(folder, MODEL_FILE)) and _expert_files(folder):
+            return _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_states,
+                                   load_module_only, kwargs)
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, tag_folder(load_dir, tag))

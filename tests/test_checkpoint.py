@@ -5,14 +5,17 @@ One checkpoint per optimizer (ZeRO-2 fp32 with torch's AdamW, ZeRO-2 bf16 with F
 DeepSpeed's BF16_Optimizer), saved by 4 ranks at ep_size 2 in DeepSpeed's default layout after two steps, then
 loaded by fresh engines:
 - 4 ranks at ep_size 4, and at ep_size 2 in the other layout (use_data_before_expert_parallelism);
-- 2 ranks at ep_size 2, and at ep_size 1 (every rank holds every expert).
+- 2 ranks at ep_size 2, and at ep_size 1 (every rank holds every expert);
+- 2 ranks with plain ExpertMaskedMoE layers (unsharded experts, which DeepSpeed does not see as MoE: a model
+  injected with moe.ep_size 1), which read the experts from the per-expert files.
 After each load every rank's fp32 masters and Adam moments equal, bit for bit, the saving engine's for the
 parameters and experts the rank now holds, and the step counters are the saved ones; at ep_size 4 the next step's
 parameters equal the saving engine's next step (the same data; only the reduction order differs). And the check
 every load ends with catches DeepSpeed's own load of such a checkpoint (which takes each rank's partition as the
 same rank saved it): forced down that path, the load raises instead of training on other experts' moments.
-Without ZeRO (one optimizer file per expert-parallel rank) another ep_size is an error on every rank, and the weights
-alone load. A checkpoint saved before the first step (no moments) loads at ep_size 4 and takes the same first step.
+Without ZeRO (one optimizer file per expert-parallel rank) another ep_size, or unsharded experts, is an error on every
+rank, and the weights alone load. A checkpoint saved before the first step (no moments) loads at ep_size 4 and
+takes the same first step.
 """
 
 import os
@@ -36,11 +39,17 @@ def _setup(rank: int, world: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def _engine(case: str, ep_size: int, ep_rank: int, seed: int, before: bool = False):
+def _engine(case: str, ep_size: int | None, ep_rank: int, seed: int, before: bool = False):
+    """``ep_size`` None: a plain ExpertMaskedMoE, every expert an ordinary data-parallel parameter (a model injected
+    with moe.ep_size 1)."""
+    from ds_loongforge.modules.moe import ExpertMaskedMoE
     from ds_loongforge.modules.moe_deepspeed import DeepSpeedExpertMaskedMoE, moe_param_groups
     from ds_loongforge.optim import initialize
 
-    if before:  # built after torch.distributed is up: the layer makes its groups, in the config's layout
+    if ep_size is None:
+        torch.manual_seed(seed)
+        net = _Net(ExpertMaskedMoE(H, INTER, E, K, impl="cpu"))
+    elif before:  # built after torch.distributed is up: the layer makes its groups, in the config's layout
         net = _Net(DeepSpeedExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_size=ep_size,
                                             use_data_before_expert_parallel=True))
     else:
@@ -174,13 +183,26 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
 
 def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
     _setup(rank, world, port)
+    from ds_loongforge import checkpoint
+
+    # what ds_loongforge.initialize does for an engine of unsharded experts (tests/integrations: the HF Trainer)
+    checkpoint.install()
     results = {}
+    if any(ep_size is None for _, ep_size, _ in loads):
+        # without ZeRO the optimizer state is one file per saving rank: an error that says so; the weights load
+        net, engine = _engine("zero0_fp32", None, 0, seed + 7)
+        with pytest.raises(checkpoint.CheckpointLayoutError) as error:
+            engine.load_checkpoint(f"{ckpt_dir}/zero0_fp32", tag="step1")
+        results["zero0_error"] = str(error.value)
+        engine.load_checkpoint(f"{ckpt_dir}/zero0_fp32", tag="step1", load_optimizer_states=False)
+        results["zero0_weights"] = {n: p.detach().clone() for n, p in net.named_parameters()}
     for case in CASES:
         for label, ep_size, before in loads:
             net, engine = _engine(case, ep_size, 0, seed + 3, before=before)
             path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
             assert path is not None
-            results[(case, label)] = {**_states(net, engine), "ep_rank": _ep_rank(net), "ep_size": ep_size}
+            results[(case, label)] = {**_states(net, engine), "ep_rank": _ep_rank(net), "ep_size": ep_size,
+                                      "has_moe_layers": engine.has_moe_layers}
     torch.save(results, f"{out_dir}/{loads[0][0]}{rank}.pt")
 
 
@@ -202,8 +224,10 @@ def _assert_loaded(saved_case: list[dict], loaded: dict, ep_size: int, what: str
             assert torch.equal(value, want), f"{what}: {name} {key} differs from the saved one"
     assert loaded["steps"] == saved_case[0]["saved"]["steps"] == {2.0}, what
     assert loaded["global_steps"] == 2, what
-    assert loaded["lrs"] == saved_case[0]["saved"]["lrs"] and len(set(loaded["lrs"].values())) == 1, what
-    assert 0.001 < loaded["lrs"][True] < 0.01, what  # in the warm-up, past its first value
+    saved_lrs = saved_case[0]["saved"]["lrs"]  # dense and expert groups; unsharded experts have dense groups only
+    assert loaded["lrs"] == {kind: saved_lrs[kind] for kind in loaded["lrs"]}, what
+    assert len(set(saved_lrs.values())) == 1 and 0.001 < saved_lrs[True] < 0.01, what  # in the warm-up, past its
+    # first value
 
 
 def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path):
@@ -211,7 +235,8 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
     ckpt = str(tmp_path / "ckpt")
     spawn_with_deadline(_save_and_reload_worker, SAVED_WORLD, ckpt, str(tmp_path), seed, timeout_s=TIMEOUT_S)
     spawn_with_deadline(_reload_worker, 2, ckpt, str(tmp_path), seed,
-                        [("world2_ep2", 2, False), ("world2_ep1", 1, False)], timeout_s=TIMEOUT_S)
+                        [("world2_ep2", 2, False), ("world2_ep1", 1, False), ("world2_plain", None, False)],
+                        timeout_s=TIMEOUT_S)
     spawn_with_deadline(_reload_worker, 4, ckpt, str(tmp_path), seed, [("before_ep2", 2, True)], timeout_s=TIMEOUT_S)
     saved = [torch.load(tmp_path / f"saved{rank}.pt", weights_only=False) for rank in range(SAVED_WORLD)]
     world2 = [torch.load(tmp_path / f"world2_ep2{rank}.pt", weights_only=False) for rank in range(2)]
@@ -224,8 +249,10 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
             _assert_loaded(saved_case, before[rank][(case, "before_ep2")], 2,
                            f"{case}, 4 ranks at ep_size 2 with data before expert parallelism, rank {rank}")
         for rank in range(2):
-            for label, ep_size in (("world2_ep2", 2), ("world2_ep1", 1)):
+            for label, ep_size in (("world2_ep2", 2), ("world2_ep1", 1), ("world2_plain", 1)):
                 _assert_loaded(saved_case, world2[rank][(case, label)], ep_size, f"{case}, {label}, rank {rank}")
+            # no MoE layer DeepSpeed knows, so no expert files read by DeepSpeed
+            assert not world2[rank][(case, "world2_plain")]["has_moe_layers"]
         # the other layout puts rank 1 at ep rank 0 (it held ep rank 1's experts when saving): a real change
         assert before[1][(case, "before_ep2")]["ep_rank"] == 0 and saved_case[1]["saved_ep_rank"] == 1
 
@@ -271,3 +298,11 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
             else:
                 want = saved[0]["zero0_weights"]["saved"][name]
             assert torch.equal(value, want), f"ZeRO-0 weights at ep_size 4, rank {rank}, {name}"
+    # ... and into unsharded experts on 2 ranks: every expert, from both saving expert-parallel ranks; the optimizer
+    # state without ZeRO is an error that names the way on
+    for rank in range(2):
+        assert "load_optimizer_states=False" in world2[rank]["zero0_error"], world2[rank]["zero0_error"]
+        for name, value in world2[rank]["zero0_weights"].items():
+            want = (torch.cat([saved[e]["zero0_weights"]["saved"][name] for e in range(SAVED_EP)])
+                    if ".experts." in name else saved[0]["zero0_weights"]["saved"][name])
+            assert torch.equal(value, want), f"ZeRO-0 weights into unsharded experts, rank {rank}, {name}"

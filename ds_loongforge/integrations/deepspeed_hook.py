@@ -198,40 +198,13 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
                     "the ExpertAwareSampler")
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
-    if not getattr(engine, "has_moe_layers", False):
-        _explain_expert_files_on_load(engine)
+    from ds_loongforge import checkpoint
+
+    if checkpoint._holds_unsharded_experts(engine):
+        # an expert-parallel checkpoint keeps the experts in per-expert files, which DeepSpeed reads only into
+        # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts
+        checkpoint.install()
     return engine, optimizer, loader, scheduler
-
-
-def _explain_expert_files_on_load(engine) -> None:
-    """A checkpoint saved with expert parallelism keeps the experts in per-expert files, which DeepSpeed reads
-    only into a model with MoE layers; a model injected with ``moe.ep_size`` 1 has none, and the load fails on
-    the missing expert keys without saying why. The engine's ``load_checkpoint`` now says it."""
-    original = engine.load_checkpoint
-
-    @functools.wraps(original)
-    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        try:
-            return original(load_dir, tag, *args, **kwargs)
-        except RuntimeError as error:
-            import glob
-
-            from ds_loongforge.export import EXPERT_FILES_GLOB, tag_folder
-
-            folder = tag_folder(load_dir, tag)
-            expert_files = glob.glob(os.path.join(folder, EXPERT_FILES_GLOB))
-            if not expert_files:
-                raise
-            raise RuntimeError(
-                f"[LoongForge] {folder} was saved with expert parallelism: its experts are "
-                f"in {len(expert_files)} per-expert files, which DeepSpeed reads only into a model with MoE layers, "
-                "and this model was injected with loongforge.moe.ep_size 1 (plain ExpertMaskedMoE layers, the "
-                "experts under their transformers keys). Load it with a moe.ep_size > 1 (any that divides the number "
-                "of experts and the world size; the optimizer state follows: ds_loongforge.checkpoint), or start from "
-                "its weights: loongforge_export CHECKPOINT OUT writes them (fp32 masters, every expert) as a folder "
-                "from_pretrained loads") from error
-
-    engine.load_checkpoint = load_checkpoint
 
 
 def _init_distributed(call: dict, ep_size: int) -> None:

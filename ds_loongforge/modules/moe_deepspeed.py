@@ -33,9 +33,10 @@ What DeepSpeed 0.19.8's engine needs from an MoE layer, and how this file provid
   layers of another ep_size, 1 included (module states; ``ds_loongforge.checkpoint`` rebuilds the ZeRO optimizer
   state for the new partitions, which DeepSpeed would take rank by rank from the old ones). A
   model injected with ``moe.ep_size`` 1 holds plain ExpertMaskedMoE layers, which DeepSpeed does not see as
-  MoE: its engine reads no per-expert files, so it cannot load an expert-parallel checkpoint (the engine's
-  ``load_checkpoint`` says so: integrations.deepspeed_hook); ``ds_loongforge.export`` writes the checkpoint's
-  weights, every expert's fp32 master, under the transformers keys such a model loads.
+  MoE: its engine reads no per-expert files, so ``ds_loongforge.checkpoint`` stacks them into the module state
+  and rebuilds the ZeRO-1/2 optimizer state (installed for such engines by integrations.deepspeed_hook);
+  ``ds_loongforge.export`` writes the checkpoint's weights, every expert's fp32 master, under the transformers
+  keys such a model loads.
 - Gradient norm and clipping. ZeRO-1/2 get it right under expert parallelism
   (``DeepSpeedZeroOptimizer.get_grad_norm_direct`` sums every partition's squares over the whole
   data-parallel group, and each expert partition lives on exactly one rank of it). Without ZeRO two paths

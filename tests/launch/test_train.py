@@ -193,7 +193,8 @@ def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
     ds_loongforge.checkpoint rebuilds the optimizer state for the new partitions (tests/test_checkpoint.py checks
     it bit for bit); the data position carries over: the expert-aware sampler (multi_gpu_ep.json's) deals the
     epoch's unused samples over the 4 ranks (tests/data/test_sampler.py checks every sample is drawn once), and
-    without it the position is the same prefix of the epoch's permutation."""
+    without it the position is the same prefix of the epoch's permutation. Then one process at ep_size 1 (every
+    expert unsharded, as on one GPU) resumes the 4-rank checkpoint."""
     config = json.loads((ROOT / "ds_configs" / "multi_gpu_ep.json").read_text())
     config["loongforge"]["moe"]["ep_size"] = 4
     (tmp_path / "ep4.json").write_text(json.dumps(config))
@@ -212,6 +213,16 @@ def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
     assert "epoch 0 resumed at step 3 on 4 ranks (saved on 2)" in resumed["_log"]
     assert "(epoch 0, batch 3)" in resumed["_log"]
     _assert_finite(resumed)
+    # and on one process at ep_size 1 (plain ExpertMaskedMoE layers, every expert unsharded), as on one GPU:
+    # the experts come from the per-expert files, the optimizer state is rebuilt, the sampler deals the rest
+    config["loongforge"]["moe"]["ep_size"] = 1
+    (tmp_path / "ep1.json").write_text(json.dumps(config))
+    single = run(1, str(tmp_path / "ep1.json"), 5, "--resume")
+    assert single["world_size"] == 1 and single["start_step"] == 4 and single["expert_masked_layers"] > 0, single
+    assert (f"{ckpt / 'step4'}: saved by 4 ranks (expert groups at ep_size [4]), loaded at 1 ranks with every expert "
+            "unsharded") in single["_log"]
+    assert "epoch 0 resumed at step 4 on 1 ranks (saved on 4)" in single["_log"]
+    _assert_finite(single)
     # without the sampler: 3 steps x 2 ranks = 6 micro-batches of the epoch used, 1 a rank at 4 ranks and the
     # last 2 read again
     shutil.rmtree(ckpt)
