@@ -1,7 +1,9 @@
 """Shared test setup. GPU tests carry the `gpu` marker and run on the device machine
 (benchmarks/run_gpu.sh); on a machine without CUDA they are skipped with that reason."""
 
+import glob
 import os
+import time
 
 import pytest
 import torch
@@ -23,3 +25,32 @@ def _fresh_seed(request):
     torch.manual_seed(seed)
     print(f"torch.manual_seed({seed})  # {request.node.nodeid}")
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _release_deepspeed_shm_buffers():
+    """DeepSpeed's CPU all-reduce leaves one /dev/shm buffer per rank of every multi-process run (~33 MB each;
+    ds_loongforge.initialize unlinks its engines' own, see deepspeed_hook._release_cpu_allreduce_buffers). The tests
+    that call deepspeed.initialize directly leave theirs: removed at the end of the session, those created since it
+    began that no live process maps and that are older than a few seconds (a long-lived machine filled its memory
+    with them)."""
+    start = time.time()
+    yield
+    pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"
+    now = time.time()  # a buffer seconds old may be another run's, between its creation and its mapping
+    left = [path for path in glob.glob(pattern) if start - 1 <= os.stat(path).st_mtime < now - 5]
+    if not left:
+        return
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[-1] for line in f if "deepspeed_allreduce_buffer_" in line)
+        except OSError:  # a process that ended, or another user's
+            continue
+    for path in left:
+        if path not in mapped:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

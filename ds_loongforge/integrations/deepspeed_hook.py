@@ -198,6 +198,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
                     "the ExpertAwareSampler")
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
+    _release_cpu_allreduce_buffers()
     from ds_loongforge import checkpoint
 
     if checkpoint._holds_unsharded_experts(engine):
@@ -205,6 +206,30 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts
         checkpoint.install()
     return engine, optimizer, loader, scheduler
+
+
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def _release_cpu_allreduce_buffers() -> None:
+    """DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp, 0.19.8) creates one POSIX shared-memory
+    buffer per rank, ``SHM_BUFFER``, maps every rank's when the process group starts, and never unlinks them:
+    each multi-process CPU run left world x ~33 MB in /dev/shm, and a machine running the tests for days filled
+    its memory. Once every rank has mapped them (a barrier, after the engine's own collectives), each rank
+    unlinks its own name: the mappings stay valid, and the memory is freed when the processes end. A no-op on
+    other accelerators and on one rank (no buffer)."""
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    dist.barrier()
+    path = SHM_BUFFER.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR"), port=os.environ.get("MASTER_PORT"),
+                             rank=dist.get_rank())
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # shared memory not used (ranks on several hosts) or already released
+        pass
 
 
 def _init_distributed(call: dict, ep_size: int) -> None:
