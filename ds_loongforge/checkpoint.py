@@ -30,8 +30,11 @@ An engine whose experts are unsharded (plain ExpertMaskedMoE layers: a model inj
 which DeepSpeed does not see as MoE) reads no per-expert files, so DeepSpeed alone fails on the missing expert
 weights of an expert-parallel checkpoint. Here the module state is the model file plus each layer's per-expert files
 stacked in expert order, and the ZeRO-1/2 optimizer state is rebuilt as above, every expert on every rank (pairing
-the saved dense groups with this engine's, which DeepSpeed split the same way). Without ZeRO only the weights load
-(an error says so). integrations.deepspeed_hook installs this for such engines.
+the saved groups by the parameters they held). The other way, a checkpoint of unsharded experts (no per-expert
+files) into expert-parallel layers, DeepSpeed would look for per-expert files; its load runs as for a model without
+MoE layers, the stacked experts cut to each rank's, and the optimizer state is rebuilt the same way. Without ZeRO
+only the weights load, either way (an error says so). integrations.deepspeed_hook installs this for engines of
+unsharded experts; an expert-parallel layer installs it when built.
 
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
 the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
@@ -158,12 +161,13 @@ class SavedOptimizer:
             raise CheckpointLayoutError(f"{self.folder}: the checkpoint's optimizer holds no parameter named {name} "
                                         "(saved from another model?)")
         group, shape = self.shapes[name]
-        if group not in self.expert_layout:
+        if group not in self.expert_layout:  # a dense parameter, or experts saved unsharded (every one everywhere)
             whole = self._fragments(group, list(range(self.world)), name, key)
             if whole.numel() != shape.numel():
                 raise CheckpointLayoutError(f"{self.folder}: {name}'s saved {key} fragments hold {whole.numel()} "
                                             f"elements, the parameter {shape.numel()}")
-            return whole.view(shape)
+            whole = whole.view(shape)
+            return whole if experts is None else whole[experts.start:experts.stop]
         ep_size, holders, _ = self.expert_layout[group]
         local = shape[0]
         if experts is None:
@@ -243,7 +247,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
                 target.copy_(piece)
         moments[g] = flat
     state = base.state_dict()
-    hyper = _saved_hyperparameters(saved, state["param_groups"])
+    hyper = _saved_hyperparameters(saved, lp_groups, names)
     for g, group in enumerate(state["param_groups"]):
         group.update(hyper[g])
         if step is not None:
@@ -255,39 +259,26 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _saved_hyperparameters(saved: SavedOptimizer, groups: list[dict]) -> list[dict]:
+def _saved_hyperparameters(saved: SavedOptimizer, lp_groups, names: dict) -> list[dict]:
     """Each current parameter group's saved hyper-parameters (lr, betas, weight decay, ...), as DeepSpeed's own load
-    restores them: an LR scheduler sets the lr only at its next step. Groups pair in order when the saved ones have
-    the same dense/expert ('moe') sequence; otherwise (another ep_size can split the expert groups otherwise) by
-    kind, which the saved groups of that kind must then agree on."""
+    restores them: an LR scheduler sets the lr only at its next step. A group takes those of the saved groups its
+    parameters were in (the checkpoint records each parameter's group), which holds whatever the ep_size and
+    whether the experts were sharded: DeepSpeed splits every group of the model into a dense and an expert part
+    when there are expert-parallel layers, and not otherwise. Those saved groups must agree (the expert flag apart,
+    which stays this engine's)."""
     def hyper(group: dict) -> dict:
-        return {k: v for k, v in group.items() if k not in ("params", "name")}
+        return {k: v for k, v in group.items() if k not in ("params", "name", "moe")}
 
     saved_groups = saved.optim(0)["base_optimizer_state"]["param_groups"]
-    if [bool(s.get("moe")) for s in saved_groups] == [bool(g.get("moe")) for g in groups]:
-        return [hyper(s) for s in saved_groups]
-    by_kind: dict[bool, list[dict]] = {}
-    for s in saved_groups:
-        by_kind.setdefault(bool(s.get("moe")), []).append(hyper(s))
-    kinds = [bool(g.get("moe")) for g in groups]
-    if all(kinds.count(kind) == len(by_kind.get(kind, [])) for kind in set(kinds)):
-        # each kind's groups in order: DeepSpeed splits every group of the model into its dense and expert parts,
-        # so an engine without expert groups (its experts unsharded) has the saved dense groups' sequence
-        seen = {kind: 0 for kind in kinds}
-        out = []
-        for kind in kinds:
-            out.append(by_kind[kind][seen[kind]])
-            seen[kind] += 1
-        return out
     out = []
-    for group in groups:
-        kind = bool(group.get("moe"))
-        options = by_kind.get(kind, [])
+    for g, params in enumerate(lp_groups):
+        sources = sorted({saved.shapes[names[p]][0] for p in params if names[p] in saved.shapes})
+        options = [hyper(saved_groups[i]) for i in sources]
         if not options or any(o != options[0] for o in options):
             raise CheckpointLayoutError(
-                f"{saved.folder}: the saved optimizer has {len(saved_groups)} parameter groups, this engine "
-                f"{len(groups)}, and the saved {'expert' if kind else 'dense'} groups' hyper-parameters "
-                f"({options or 'none'}) do not say which this engine's take")
+                f"{saved.folder}: this engine's optimizer group {g} holds parameters of the saved groups {sources}, "
+                f"whose hyper-parameters ({options or 'none'}) do not agree: group the parameters as the saving run "
+                "did (lr, weight decay, ...)")
         out.append(options[0])
     return out
 
@@ -413,6 +404,57 @@ def _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_stat
     return result
 
 
+def _load_into_sharded(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only, kwargs):
+    """A checkpoint of unsharded experts (no per-expert files: every expert in the model file, stacked) into an engine
+    with expert-parallel layers. DeepSpeed would look for the per-expert files of this rank's experts; here its load
+    runs as for a model without MoE layers (the one attribute it reads, for this call only), with the stacked experts
+    cut to this rank's, and the ZeRO-1/2 optimizer state is rebuilt for this rank's experts."""
+    from ds_loongforge.modules.moe_deepspeed import DeepSpeedStackedExperts
+
+    wants_optimizer = load_optimizer_states and not load_module_only
+    if wants_optimizer and not (engine.zero_optimization() and _lp_groups(engine.optimizer) is not None):
+        raise CheckpointLayoutError(
+            f"[LoongForge] {folder} holds every expert unsharded (saved without expert parallelism), and this engine "
+            "shards them over expert-parallel ranks without ZeRO-1/2, where DeepSpeed reads one optimizer file per "
+            "expert-parallel rank, which that checkpoint does not have. Load it with load_optimizer_states=False (the "
+            "weights load; the Adam moments start afresh), or with ZeRO stage 1 or 2, where the optimizer state is "
+            "rebuilt for this engine")
+    sharded = {prefix: module for prefix, module in engine.module.named_modules()
+               if isinstance(module, DeepSpeedStackedExperts)}
+    strict, user_fn = kwargs["load_module_strict"], kwargs["custom_load_fn"]
+
+    def own_experts(src, dst):  # DeepSpeed's custom_load_fn(src=the module file's state dict, dst=the module)
+        for prefix, module in sharded.items():
+            for name, param in module.named_parameters(recurse=False):
+                key = f"{prefix}.{name}"
+                if key in src and src[key].shape[0] != param.shape[0]:
+                    ep_rank, _ = _expert_rank(param)
+                    src[key] = src[key][ep_rank * param.shape[0]:(ep_rank + 1) * param.shape[0]]
+        if user_fn is not None:
+            user_fn(src=src, dst=dst)
+        else:
+            dst.load_state_dict(src, strict=strict)
+
+    engine.has_moe_layers = False
+    try:
+        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
+                          **{**kwargs, "custom_load_fn": own_experts})
+    finally:
+        engine.has_moe_layers = True
+    if result[0] is None:
+        return result
+    if wants_optimizer:
+        saved = SavedOptimizer(folder)
+        load_saved_optimizer_state(engine, saved)
+        logger.info("[LoongForge] %s: saved by %d ranks with every expert unsharded, loaded at %d ranks with "
+                    "expert parallelism: each rank's experts cut from the stacked weights, fp32 masters and Adam "
+                    "moments rebuilt from the saved partitions", folder, saved.world,
+                    torch.distributed.get_world_size())
+    if _lp_groups(engine.optimizer) is not None:
+        check_masters_match_weights(engine, folder)
+    return result
+
+
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
@@ -420,11 +462,16 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
-    if _holds_unsharded_experts(engine) and not engine.load_universal_checkpoint():
+    if not engine.load_universal_checkpoint():
         folder = tag_folder(load_dir, tag)
-        if os.path.isfile(os.path.join(folder, MODEL_FILE)) and _expert_files(folder):
-            return _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_states,
-                                   load_module_only, kwargs)
+        if os.path.isfile(os.path.join(folder, MODEL_FILE)):
+            if _holds_unsharded_experts(engine) and _expert_files(folder):
+                return _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_states,
+                                       load_module_only, kwargs)
+            if (getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
+                    and not _expert_files(folder)):
+                return _load_into_sharded(original, engine, load_dir, tag, folder, load_optimizer_states,
+                                          load_module_only, kwargs)
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, tag_folder(load_dir, tag))

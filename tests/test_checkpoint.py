@@ -7,7 +7,8 @@ loaded by fresh engines:
 - 4 ranks at ep_size 4, and at ep_size 2 in the other layout (use_data_before_expert_parallelism);
 - 2 ranks at ep_size 2, and at ep_size 1 (every rank holds every expert);
 - 2 ranks with plain ExpertMaskedMoE layers (unsharded experts, which DeepSpeed does not see as MoE: a model
-  injected with moe.ep_size 1), which read the experts from the per-expert files.
+  injected with moe.ep_size 1), which read the experts from the per-expert files; their checkpoint (no per-expert
+  files) back into ep_size 2.
 After each load every rank's fp32 masters and Adam moments equal, bit for bit, the saving engine's for the
 parameters and experts the rank now holds, and the step counters are the saved ones; at ep_size 4 the next step's
 parameters equal the saving engine's next step (the same data; only the reduction order differs). And the check
@@ -196,6 +197,15 @@ def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
         results["zero0_error"] = str(error.value)
         engine.load_checkpoint(f"{ckpt_dir}/zero0_fp32", tag="step1", load_optimizer_states=False)
         results["zero0_weights"] = {n: p.detach().clone() for n, p in net.named_parameters()}
+        # ... and the other way: that unsharded checkpoint (every expert in the model file) into ep_size 2
+        engine.save_checkpoint(f"{ckpt_dir}/zero0_plain", tag="step1")
+        net, engine = _engine("zero0_fp32", 2, 0, seed + 8)
+        with pytest.raises(checkpoint.CheckpointLayoutError) as error:
+            engine.load_checkpoint(f"{ckpt_dir}/zero0_plain", tag="step1")
+        results["zero0_plain_error"] = str(error.value)
+        engine.load_checkpoint(f"{ckpt_dir}/zero0_plain", tag="step1", load_optimizer_states=False)
+        results["zero0_plain_weights"] = {"ep_rank": _ep_rank(net),
+                                          **{n: p.detach().clone() for n, p in net.named_parameters()}}
     for case in CASES:
         for label, ep_size, before in loads:
             net, engine = _engine(case, ep_size, 0, seed + 3, before=before)
@@ -203,6 +213,14 @@ def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
             assert path is not None
             results[(case, label)] = {**_states(net, engine), "ep_rank": _ep_rank(net), "ep_size": ep_size,
                                       "has_moe_layers": engine.has_moe_layers}
+            if ep_size is None:
+                # saved again with every expert unsharded, and loaded back at ep_size 2: the same state, each rank's
+                # experts cut from the stacked ones
+                engine.save_checkpoint(f"{ckpt_dir}/{case}_plain", tag="step2")
+                net, engine = _engine(case, 2, 0, seed + 9)
+                path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}_plain", tag="step2")
+                assert path is not None and engine.has_moe_layers
+                results[(case, f"{label}_to_ep2")] = {**_states(net, engine), "ep_rank": _ep_rank(net)}
     torch.save(results, f"{out_dir}/{loads[0][0]}{rank}.pt")
 
 
@@ -253,6 +271,8 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
                 _assert_loaded(saved_case, world2[rank][(case, label)], ep_size, f"{case}, {label}, rank {rank}")
             # no MoE layer DeepSpeed knows, so no expert files read by DeepSpeed
             assert not world2[rank][(case, "world2_plain")]["has_moe_layers"]
+            _assert_loaded(saved_case, world2[rank][(case, "world2_plain_to_ep2")], 2,
+                           f"{case}, unsharded checkpoint into ep_size 2, rank {rank}")
         # the other layout puts rank 1 at ep rank 0 (it held ep rank 1's experts when saving): a real change
         assert before[1][(case, "before_ep2")]["ep_rank"] == 0 and saved_case[1]["saved_ep_rank"] == 1
 
@@ -306,3 +326,10 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
             want = (torch.cat([saved[e]["zero0_weights"]["saved"][name] for e in range(SAVED_EP)])
                     if ".experts." in name else saved[0]["zero0_weights"]["saved"][name])
             assert torch.equal(value, want), f"ZeRO-0 weights into unsharded experts, rank {rank}, {name}"
+        # that unsharded checkpoint back at ep_size 2: the weights, the optimizer state an error
+        assert "holds every expert unsharded" in world2[rank]["zero0_plain_error"], world2[rank]["zero0_plain_error"]
+        loaded = world2[rank]["zero0_plain_weights"]
+        for name, value in world2[0]["zero0_weights"].items():
+            want = value[loaded["ep_rank"] * (E // 2):(loaded["ep_rank"] + 1) * (E // 2)] if ".experts." in name \
+                else value
+            assert torch.equal(loaded[name], want), f"ZeRO-0 unsharded weights at ep_size 2, rank {rank}, {name}"

@@ -34,7 +34,8 @@ What DeepSpeed 0.19.8's engine needs from an MoE layer, and how this file provid
   state for the new partitions, which DeepSpeed would take rank by rank from the old ones). A
   model injected with ``moe.ep_size`` 1 holds plain ExpertMaskedMoE layers, which DeepSpeed does not see as
   MoE: its engine reads no per-expert files, so ``ds_loongforge.checkpoint`` stacks them into the module state
-  and rebuilds the ZeRO-1/2 optimizer state (installed for such engines by integrations.deepspeed_hook);
+  and rebuilds the ZeRO-1/2 optimizer state (installed for such engines by integrations.deepspeed_hook), and
+  loads such a model's checkpoint (no per-expert files) into these layers;
   ``ds_loongforge.export`` writes the checkpoint's weights, every expert's fp32 master, under the transformers
   keys such a model loads.
 - Gradient norm and clipping. ZeRO-1/2 get it right under expert parallelism

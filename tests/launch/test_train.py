@@ -194,7 +194,7 @@ def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
     it bit for bit); the data position carries over: the expert-aware sampler (multi_gpu_ep.json's) deals the
     epoch's unused samples over the 4 ranks (tests/data/test_sampler.py checks every sample is drawn once), and
     without it the position is the same prefix of the epoch's permutation. Then one process at ep_size 1 (every
-    expert unsharded, as on one GPU) resumes the 4-rank checkpoint."""
+    expert unsharded, as on one GPU) resumes the 4-rank checkpoint, and 2 processes at ep_size 2 resume its."""
     config = json.loads((ROOT / "ds_configs" / "multi_gpu_ep.json").read_text())
     config["loongforge"]["moe"]["ep_size"] = 4
     (tmp_path / "ep4.json").write_text(json.dumps(config))
@@ -223,6 +223,12 @@ def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
             "unsharded") in single["_log"]
     assert "epoch 0 resumed at step 4 on 1 ranks (saved on 4)" in single["_log"]
     _assert_finite(single)
+    # and back: that unsharded checkpoint (every expert in the model file) resumed by 2 processes at ep_size 2
+    back = run(2, "ds_configs/multi_gpu_ep.json", 6, "--resume")
+    assert back["start_step"] == 5, back
+    assert (f"{ckpt / 'step5'}: saved by 1 ranks with every expert unsharded, loaded at 2 ranks with expert "
+            "parallelism") in back["_log"]
+    _assert_finite(back)
     # without the sampler: 3 steps x 2 ranks = 6 micro-batches of the epoch used, 1 a rank at 4 ranks and the
     # last 2 read again
     shutil.rmtree(ckpt)
