@@ -220,9 +220,10 @@ def test_torch_compile_fp32_moe_layer_on_cpu():
 
 
 def _expert_files_worker(rank, world, port, ckpt_dir, out_path):
-    """One process: a LoongForge engine (tiny Mixtral, moe.ep_size 1) saves; a checkpoint with per-expert files
-    (what moe.ep_size > 1 writes: here the same checkpoint with the experts moved out of the module states) is
-    then loaded into a fresh one."""
+    """One process: a LoongForge engine (tiny Mixtral, moe.ep_size 1: plain layers, which DeepSpeed does not see as
+    MoE) saves; the same checkpoint with the experts moved into per-expert files, as moe.ep_size > 1 writes them,
+    is then loaded into fresh ones (ds_loongforge.initialize installs ds_loongforge.checkpoint for them), and so is
+    one with a per-expert file of another layout."""
     import json
     import os
 
@@ -230,6 +231,7 @@ def _expert_files_worker(rank, world, port, ckpt_dir, out_path):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import ds_loongforge
+    from ds_loongforge.modules.moe import StackedExperts
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 0}, "loongforge": {"enabled": True}}
@@ -244,26 +246,44 @@ def _expert_files_worker(rank, world, port, ckpt_dir, out_path):
     result = {"round_trip": engine().load_checkpoint(ckpt_dir, tag="t")[0] is not None}
     states = f"{ckpt_dir}/t/mp_rank_00_model_states.pt"
     checkpoint = torch.load(states, weights_only=False)
+    layers = [name for name, m in saving.module.named_modules() if isinstance(m, StackedExperts)]
     experts = {k: checkpoint["module"].pop(k) for k in list(checkpoint["module"]) if ".experts." in k}
+    checkpoint["num_experts"] = [experts[f"{prefix}.gate_up_proj"].shape[0] for prefix in layers]
     torch.save(checkpoint, states)
-    torch.save(experts, f"{ckpt_dir}/t/layer_0_expert_0_mp_rank_00_model_states.pt")
-    try:
-        engine().load_checkpoint(ckpt_dir)  # the tag from "latest"
+    for layer, prefix in enumerate(layers):  # DeepSpeed's layout: one file per global expert
+        for g in range(checkpoint["num_experts"][layer]):
+            torch.save({f"{prefix}.deepspeed_moe.experts.deepspeed_experts.{g}.{name}": experts[f"{prefix}.{name}"][g]
+                        for name in ("gate_up_proj", "down_proj")},
+                       f"{ckpt_dir}/t/layer_{layer}_expert_{g}_mp_rank_00_model_states.pt")
+    try:  # the tag from "latest"; without ZeRO the optimizer state is one file per saving rank
+        engine().load_checkpoint(ckpt_dir)
         result["error"] = None
     except RuntimeError as error:
-        result["error"], result["cause"] = str(error), str(error.__cause__)
+        result["error"] = str(error)
+    loading = engine()
+    result["weights_only"] = loading.load_checkpoint(ckpt_dir, load_optimizer_states=False)[0] is not None
+    saved = saving.module.state_dict()
+    result["equal"] = {k: torch.equal(v, saved[k]) for k, v in loading.module.state_dict().items()}
+    # a per-expert file that is not DeepSpeed's layout of stacked experts: an error naming it
+    torch.save({"w": torch.zeros(2)}, f"{ckpt_dir}/t/layer_0_expert_0_mp_rank_00_model_states.pt")
+    try:
+        engine().load_checkpoint(ckpt_dir, load_optimizer_states=False)
+        result["foreign"] = None
+    except ValueError as error:
+        result["foreign"] = str(error)
     with open(out_path, "w") as f:
         json.dump(result, f)
 
 
-def test_loading_an_expert_parallel_checkpoint_into_an_ep_size_1_model_says_why(tmp_path):
+def test_an_ep_size_1_model_reads_per_expert_files(tmp_path):
     import json
 
     from tests._dist import spawn_with_deadline
 
     spawn_with_deadline(_expert_files_worker, 1, str(tmp_path / "ckpt"), str(tmp_path / "out.json"), timeout_s=240)
     result = json.loads((tmp_path / "out.json").read_text())
-    assert result["round_trip"]
-    assert "saved with expert parallelism" in result["error"] and "1 per-expert files" in result["error"]
-    assert "Load it with a moe.ep_size > 1" in result["error"] and "loongforge_export" in result["error"]
-    assert "Missing key(s)" in result["cause"] and "experts.gate_up_proj" in result["cause"]
+    assert result["round_trip"] and result["weights_only"]
+    assert "without ZeRO-1/2" in result["error"] and "load_optimizer_states=False" in result["error"], result["error"]
+    assert result["equal"] and all(result["equal"].values()), result["equal"]
+    assert any(".experts." in k for k in result["equal"])
+    assert "layer_0_expert_0_mp_rank_00_model_states.pt holds w" in result["foreign"], result["foreign"]
