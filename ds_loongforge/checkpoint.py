@@ -361,95 +361,69 @@ def _expert_files(folder: str) -> list[str]:
     return glob.glob(os.path.join(folder, EXPERT_FILES_GLOB))
 
 
-def _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only, kwargs):
-    """An expert-parallel checkpoint into an engine whose experts are unsharded (``_holds_unsharded_experts``).
-    DeepSpeed reads per-expert files only into MoE layers, so its load of the module file would miss every expert
-    weight; here the module state is that file plus each layer's per-expert files stacked in global expert order
-    (``export.saved_weights``: the 16-bit weights the run trained with), and the ZeRO-1/2 optimizer state is rebuilt
-    per parameter as for another ep_size (every expert on every rank: one expert-parallel rank of one)."""
+def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only, kwargs,
+                          into_sharded: bool):
+    """An expert-parallel checkpoint into an engine whose experts are unsharded (``_holds_unsharded_experts``), or,
+    ``into_sharded``, a checkpoint of unsharded experts (every expert stacked in the model file, no per-expert files)
+    into expert-parallel layers. DeepSpeed reads per-expert files exactly when the engine has MoE layers, so on its
+    own it misses every expert weight of the first and looks for files the second does not have. Here its load runs
+    as for a model without MoE layers (``has_moe_layers``, the one attribute it reads there, off for this call), with
+    the module state made to fit: the per-expert files stacked in global expert order (``export.saved_weights``:
+    the 16-bit weights the run trained with) added, or the stacked experts cut to this rank's. The ZeRO-1/2
+    optimizer state is then rebuilt per parameter as for another ep_size."""
     from ds_loongforge.export import _model_states, saved_weights
-
-    wants_optimizer = load_optimizer_states and not load_module_only
-    if wants_optimizer and not (engine.zero_optimization() and _lp_groups(engine.optimizer) is not None):
-        raise CheckpointLayoutError(
-            f"[LoongForge] {folder} was saved with expert parallelism, and this engine holds every expert (no "
-            "expert parallelism) without ZeRO-1/2, where DeepSpeed keeps the optimizer state in one file per rank of "
-            "the saving layout. Load it with load_optimizer_states=False (the weights load; the Adam moments start "
-            "afresh), or with ZeRO stage 1 or 2, where the optimizer state is rebuilt for this engine")
-    states = _model_states(folder)
-    experts = {key: value for key, value in saved_weights(folder, states).items() if key not in states["module"]}
-    strict, user_fn = kwargs["load_module_strict"], kwargs["custom_load_fn"]
-
-    def with_experts(src, dst):  # DeepSpeed's custom_load_fn(src=the module file's state dict, dst=the module)
-        src.update(experts)
-        if user_fn is not None:
-            user_fn(src=src, dst=dst)
-        else:
-            dst.load_state_dict(src, strict=strict)
-
-    result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
-                      **{**kwargs, "custom_load_fn": with_experts})
-    if result[0] is None:
-        return result
-    if wants_optimizer:
-        saved = SavedOptimizer(folder)
-        load_saved_optimizer_state(engine, saved)
-        logger.info("[LoongForge] %s: saved by %d ranks (expert groups at ep_size %s), loaded at %d ranks with every "
-                    "expert unsharded: weights from the per-expert files, fp32 masters and Adam moments rebuilt from "
-                    "the saved partitions", folder, saved.world,
-                    sorted({ep for ep, _, _ in saved.expert_layout.values()}) or "-",
-                    torch.distributed.get_world_size())
-    if _lp_groups(engine.optimizer) is not None:
-        check_masters_match_weights(engine, folder)
-    return result
-
-
-def _load_into_sharded(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only, kwargs):
-    """A checkpoint of unsharded experts (no per-expert files: every expert in the model file, stacked) into an engine
-    with expert-parallel layers. DeepSpeed would look for the per-expert files of this rank's experts; here its load
-    runs as for a model without MoE layers (the one attribute it reads, for this call only), with the stacked experts
-    cut to this rank's, and the ZeRO-1/2 optimizer state is rebuilt for this rank's experts."""
     from ds_loongforge.modules.moe_deepspeed import DeepSpeedStackedExperts
 
+    saved_how, loaded_how = (("with every expert unsharded", "with expert parallelism") if into_sharded
+                             else ("with expert parallelism", "with every expert unsharded"))
     wants_optimizer = load_optimizer_states and not load_module_only
     if wants_optimizer and not (engine.zero_optimization() and _lp_groups(engine.optimizer) is not None):
         raise CheckpointLayoutError(
-            f"[LoongForge] {folder} holds every expert unsharded (saved without expert parallelism), and this engine "
-            "shards them over expert-parallel ranks without ZeRO-1/2, where DeepSpeed reads one optimizer file per "
-            "expert-parallel rank, which that checkpoint does not have. Load it with load_optimizer_states=False (the "
-            "weights load; the Adam moments start afresh), or with ZeRO stage 1 or 2, where the optimizer state is "
-            "rebuilt for this engine")
-    sharded = {prefix: module for prefix, module in engine.module.named_modules()
-               if isinstance(module, DeepSpeedStackedExperts)}
-    strict, user_fn = kwargs["load_module_strict"], kwargs["custom_load_fn"]
+            f"[LoongForge] {folder} was saved {saved_how} and this engine runs {loaded_how}, without ZeRO-1/2, where "
+            "DeepSpeed keeps the optimizer state in one file per expert-parallel rank of the saving layout. Load it "
+            "with load_optimizer_states=False (the weights load; the Adam moments start afresh), or with ZeRO stage 1 "
+            "or 2, where the optimizer state is rebuilt for this engine")
+    if into_sharded:
+        sharded = [(f"{prefix}.{name}", param) for prefix, module in engine.module.named_modules()
+                   if isinstance(module, DeepSpeedStackedExperts)
+                   for name, param in module.named_parameters(recurse=False)]
 
-    def own_experts(src, dst):  # DeepSpeed's custom_load_fn(src=the module file's state dict, dst=the module)
-        for prefix, module in sharded.items():
-            for name, param in module.named_parameters(recurse=False):
-                key = f"{prefix}.{name}"
+        def fit(src):  # this rank's experts of the stacked ones
+            for key, param in sharded:
                 if key in src and src[key].shape[0] != param.shape[0]:
                     ep_rank, _ = _expert_rank(param)
                     src[key] = src[key][ep_rank * param.shape[0]:(ep_rank + 1) * param.shape[0]]
+    else:
+        states = _model_states(folder)
+        experts = {key: value for key, value in saved_weights(folder, states).items() if key not in states["module"]}
+
+        def fit(src):
+            src.update(experts)
+    strict, user_fn = kwargs["load_module_strict"], kwargs["custom_load_fn"]
+
+    def load_module(src, dst):  # DeepSpeed's custom_load_fn(src=the module file's state dict, dst=the module)
+        fit(src)
         if user_fn is not None:
             user_fn(src=src, dst=dst)
         else:
             dst.load_state_dict(src, strict=strict)
 
-    engine.has_moe_layers = False
+    has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
         result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
-                          **{**kwargs, "custom_load_fn": own_experts})
+                          **{**kwargs, "custom_load_fn": load_module})
     finally:
-        engine.has_moe_layers = True
+        engine.has_moe_layers = has_moe_layers
     if result[0] is None:
         return result
     if wants_optimizer:
         saved = SavedOptimizer(folder)
         load_saved_optimizer_state(engine, saved)
-        logger.info("[LoongForge] %s: saved by %d ranks with every expert unsharded, loaded at %d ranks with "
-                    "expert parallelism: each rank's experts cut from the stacked weights, fp32 masters and Adam "
-                    "moments rebuilt from the saved partitions", folder, saved.world,
-                    torch.distributed.get_world_size())
+        saved_as = (f"(expert groups at ep_size {sorted({ep for ep, _, _ in saved.expert_layout.values()})})"
+                    if saved.expert_layout else saved_how)
+        logger.info("[LoongForge] %s: saved by %d ranks %s, loaded at %d ranks %s: fp32 masters and Adam moments "
+                    "rebuilt from the saved partitions", folder, saved.world, saved_as,
+                    torch.distributed.get_world_size(), loaded_how)
     if _lp_groups(engine.optimizer) is not None:
         check_masters_match_weights(engine, folder)
     return result
@@ -465,13 +439,11 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     if not engine.load_universal_checkpoint():
         folder = tag_folder(load_dir, tag)
         if os.path.isfile(os.path.join(folder, MODEL_FILE)):
-            if _holds_unsharded_experts(engine) and _expert_files(folder):
-                return _load_unsharded(original, engine, load_dir, tag, folder, load_optimizer_states,
-                                       load_module_only, kwargs)
-            if (getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
-                    and not _expert_files(folder)):
-                return _load_into_sharded(original, engine, load_dir, tag, folder, load_optimizer_states,
-                                          load_module_only, kwargs)
+            unsharded = _holds_unsharded_experts(engine)
+            sharded = getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
+            if (unsharded or sharded) and unsharded == bool(_expert_files(folder)):
+                return _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states,
+                                             load_module_only, kwargs, into_sharded=sharded)
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, tag_folder(load_dir, tag))
