@@ -216,12 +216,12 @@ def _release_cpu_allreduce_buffers() -> None:
     buffer per rank, ``SHM_BUFFER``, maps every rank's when the process group starts, and never unlinks them:
     each multi-process CPU run left world x ~33 MB in /dev/shm, and a machine running the tests for days filled
     its memory. Once every rank has mapped them (a barrier, after the engine's own collectives), each rank
-    unlinks its own name: the mappings stay valid, and the memory is freed when the processes end. A no-op on
-    other accelerators and on one rank (no buffer)."""
+    unlinks its own name: the mappings stay valid, and the memory is freed when the processes end. One process
+    started by the launcher has one too (LOCAL_SIZE 1). A no-op on other accelerators."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cpu" or not dist.is_initialized() or dist.get_world_size() == 1:
+    if get_accelerator().device_name() != "cpu" or not dist.is_initialized():
         return
     dist.barrier()
     path = SHM_BUFFER.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR"), port=os.environ.get("MASTER_PORT"),
