@@ -313,8 +313,7 @@ def check_masters_match_weights(engine, folder: str) -> None:
 
 def _wants_optimizer_state(engine, load_optimizer_states: bool, load_module_only: bool) -> bool:
     return (load_optimizer_states and not load_module_only and bool(engine.zero_optimization())
-            and not engine.load_universal_checkpoint() and _lp_groups(engine.optimizer) is not None
-            and getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module))
+            and not engine.load_universal_checkpoint() and _lp_groups(engine.optimizer) is not None)
 
 
 def _holds_stacked_experts(module) -> bool:
@@ -343,7 +342,7 @@ def _check_unpartitioned_ep_size(engine, folder: str) -> None:
             "checkpoints load at any ep_size with their optimizer state")
 
 
-def _holds_unsharded_experts(engine) -> bool:
+def holds_unsharded_experts(engine) -> bool:
     """Stacked experts that DeepSpeed does not see as MoE (ExpertMaskedMoE without expert parallelism: a model
     injected with moe.ep_size 1): every expert is an ordinary data-parallel parameter here."""
     from ds_loongforge.modules.moe import StackedExperts
@@ -363,7 +362,7 @@ def _expert_files(folder: str) -> list[str]:
 
 def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only, kwargs,
                           into_sharded: bool):
-    """An expert-parallel checkpoint into an engine whose experts are unsharded (``_holds_unsharded_experts``), or,
+    """An expert-parallel checkpoint into an engine whose experts are unsharded (``holds_unsharded_experts``), or,
     ``into_sharded``, a checkpoint of unsharded experts (every expert stacked in the model file, no per-expert files)
     into expert-parallel layers. DeepSpeed reads per-expert files exactly when the engine has MoE layers, so on its
     own it misses every expert weight of the first and looks for files the second does not have. Here its load runs
@@ -436,23 +435,20 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
-    if not engine.load_universal_checkpoint():
-        folder = tag_folder(load_dir, tag)
-        if os.path.isfile(os.path.join(folder, MODEL_FILE)):
-            unsharded = _holds_unsharded_experts(engine)
-            sharded = getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
-            if (unsharded or sharded) and unsharded == bool(_expert_files(folder)):
-                return _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states,
-                                             load_module_only, kwargs, into_sharded=sharded)
+    folder = tag_folder(load_dir, tag)
+    saved_here = os.path.isfile(os.path.join(folder, MODEL_FILE))  # not, e.g., without 'latest': DeepSpeed's answer
+    sharded = getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
+    unsharded = holds_unsharded_experts(engine)
+    if (saved_here and (sharded or unsharded) and not engine.load_universal_checkpoint()
+            and unsharded == bool(_expert_files(folder))):
+        return _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states,
+                                     load_module_only, kwargs, into_sharded=sharded)
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
-        _check_unpartitioned_ep_size(engine, tag_folder(load_dir, tag))
-    if not _wants_optimizer_state(engine, load_optimizer_states, load_module_only):
+        _check_unpartitioned_ep_size(engine, folder)
+    if not (saved_here and sharded and _wants_optimizer_state(engine, load_optimizer_states, load_module_only)):
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
                         load_module_only=load_module_only, **kwargs)
-    folder = tag_folder(load_dir, tag)
-    if not os.path.isfile(os.path.join(folder, MODEL_FILE)):  # e.g. no 'latest': DeepSpeed's answer (a warning, None)
-        return original(engine, load_dir, tag, load_optimizer_states=True, load_module_only=False, **kwargs)
     saved = SavedOptimizer(folder)
     lp_groups = _lp_groups(engine.optimizer)
     if _this_layout_matches(engine, saved, lp_groups):

@@ -29,14 +29,16 @@ def _fresh_seed(request):
 
 @pytest.fixture(autouse=True, scope="session")
 def _release_deepspeed_shm_buffers():
-    """DeepSpeed's CPU all-reduce leaves one /dev/shm buffer per rank of every multi-process run (~33 MB each;
+    """DeepSpeed's CPU all-reduce leaves one /dev/shm buffer per rank of every launcher-style run (69 MB each;
     ds_loongforge.initialize unlinks its engines' own, see deepspeed_hook._release_cpu_allreduce_buffers). The tests
     that call deepspeed.initialize directly leave theirs: removed at the end of the session, those created since it
     began that no live process maps and that are older than a few seconds (a long-lived machine filled its memory
     with them)."""
+    from ds_loongforge.integrations.deepspeed_hook import SHM_BUFFER
+
     start = time.time()
     yield
-    pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"
+    pattern = SHM_BUFFER.format(uid=os.getuid(), addr="*", port="*", rank="*")
     now = time.time()  # a buffer seconds old may be another run's, between its creation and its mapping
     left = [path for path in glob.glob(pattern) if start - 1 <= os.stat(path).st_mtime < now - 5]
     if not left:

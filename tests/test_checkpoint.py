@@ -327,7 +327,8 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
                     if ".experts." in name else saved[0]["zero0_weights"]["saved"][name])
             assert torch.equal(value, want), f"ZeRO-0 weights into unsharded experts, rank {rank}, {name}"
         # that unsharded checkpoint back at ep_size 2: the weights, the optimizer state an error
-        assert "saved with every expert unsharded" in world2[rank]["zero0_plain_error"], world2[rank]["zero0_plain_error"]
+        message = world2[rank]["zero0_plain_error"]
+        assert "saved with every expert unsharded" in message, message
         loaded = world2[rank]["zero0_plain_weights"]
         for name, value in world2[0]["zero0_weights"].items():
             want = value[loaded["ep_rank"] * (E // 2):(loaded["ep_rank"] + 1) * (E // 2)] if ".experts." in name \

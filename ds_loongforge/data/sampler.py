@@ -149,9 +149,7 @@ class ExpertAwareSampler(Sampler[list[int]]):
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.refresh_every = refresh_every
-        per_global = batch_size * num_replicas
-        self.num_global_batches = (self.num_samples // per_global if drop_last
-                                   else math.ceil(self.num_samples / per_global))
+        self.num_global_batches = self._segment_steps(self.num_samples, num_replicas)
         if self.num_global_batches == 0:
             raise ValueError(f"ExpertAwareSampler: {self.num_samples} samples give no full batch of {batch_size} "
                              f"on each of {num_replicas} ranks with drop_last=True")

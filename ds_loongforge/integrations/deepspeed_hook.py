@@ -201,7 +201,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     _release_cpu_allreduce_buffers()
     from ds_loongforge import checkpoint
 
-    if checkpoint._holds_unsharded_experts(engine):
+    if checkpoint.holds_unsharded_experts(engine):
         # an expert-parallel checkpoint keeps the experts in per-expert files, which DeepSpeed reads only into
         # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts
         checkpoint.install()
@@ -214,7 +214,7 @@ SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
 def _release_cpu_allreduce_buffers() -> None:
     """DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp, 0.19.8) creates one POSIX shared-memory
     buffer per rank, ``SHM_BUFFER``, maps every rank's when the process group starts, and never unlinks them:
-    each multi-process CPU run left world x ~33 MB in /dev/shm, and a machine running the tests for days filled
+    each CPU run under the launcher left world x 69 MB in /dev/shm, and a machine running the tests for days filled
     its memory. Once every rank has mapped them (a barrier, after the engine's own collectives), each rank
     unlinks its own name: the mappings stay valid, and the memory is freed when the processes end. One process
     started by the launcher has one too (LOCAL_SIZE 1). A no-op on other accelerators."""
