@@ -33,8 +33,11 @@ stacked in expert order, and the ZeRO-1/2 optimizer state is rebuilt as above, e
 the saved groups by the parameters they held). The other way, a checkpoint of unsharded experts (no per-expert
 files) into expert-parallel layers, DeepSpeed would look for per-expert files; its load runs as for a model without
 MoE layers, the stacked experts cut to each rank's, and the optimizer state is rebuilt the same way. Without ZeRO
-only the weights load, either way (an error says so). integrations.deepspeed_hook installs this for engines of
-unsharded experts; an expert-parallel layer installs it when built.
+only the weights load, either way (an error says so). Across expert sharding the optimizer's groups change too
+(DeepSpeed splits off expert groups only with expert-parallel layers), so an LR scheduler's per-group state is
+fitted to them (``fit_scheduler_state``): the engine's scheduler during DeepSpeed's load, and the HF Trainer's own
+``scheduler.pt`` during the Trainer's load. integrations.deepspeed_hook installs this for engines of unsharded
+experts; an expert-parallel layer installs it when built.
 
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
 the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
@@ -43,6 +46,7 @@ as it is after every step. A mismatch is an error on every rank, naming the para
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -93,8 +97,9 @@ class SavedOptimizer:
         counts = self.optim(0)["partition_count"]
         self.partition_count = list(counts) if isinstance(counts, list) else [counts] * len(states["param_shapes"])
         self.before = bool(get_expert_data_topo_config(states.get("ds_config") or {}))
+        self.param_shapes = states["param_shapes"]
         self.shapes: dict[str, tuple[int, torch.Size]] = {}
-        for g, shapes in enumerate(states["param_shapes"]):
+        for g, shapes in enumerate(self.param_shapes):
             for name, shape in shapes.items():
                 self.shapes[name] = (g, torch.Size(shape))
         # per expert group: ep_size, and each expert-parallel rank's expert-data-parallel ranks (partition order)
@@ -259,6 +264,13 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def _saved_groups_of(param_shapes: list[dict], lp_groups, names: dict) -> list[list[int]]:
+    """For each current parameter group, the saved groups its parameters were in: ``param_shapes`` is the model
+    file's record of each saved group's parameters (ZeRO checkpoints)."""
+    saved_group = {name: g for g, shapes in enumerate(param_shapes) for name in shapes}
+    return [sorted({saved_group[names[p]] for p in params if names[p] in saved_group}) for params in lp_groups]
+
+
 def _saved_hyperparameters(saved: SavedOptimizer, lp_groups, names: dict) -> list[dict]:
     """Each current parameter group's saved hyper-parameters (lr, betas, weight decay, ...), as DeepSpeed's own load
     restores them: an LR scheduler sets the lr only at its next step. A group takes those of the saved groups its
@@ -271,8 +283,7 @@ def _saved_hyperparameters(saved: SavedOptimizer, lp_groups, names: dict) -> lis
 
     saved_groups = saved.optim(0)["base_optimizer_state"]["param_groups"]
     out = []
-    for g, params in enumerate(lp_groups):
-        sources = sorted({saved.shapes[names[p]][0] for p in params if names[p] in saved.shapes})
+    for g, sources in enumerate(_saved_groups_of(saved.param_shapes, lp_groups, names)):
         options = [hyper(saved_groups[i]) for i in sources]
         if not options or any(o != options[0] for o in options):
             raise CheckpointLayoutError(
@@ -281,6 +292,90 @@ def _saved_hyperparameters(saved: SavedOptimizer, lp_groups, names: dict) -> lis
                 "did (lr, weight decay, ...)")
         out.append(options[0])
     return out
+
+
+# the per-group entries of torch's LR schedulers' state: LRScheduler's base_lrs and _last_lr, LambdaLR's and
+# MultiplicativeLR's lr_lambdas, ReduceLROnPlateau's min_lrs, CyclicLR's and OneCycleLR's max_lrs and momenta
+SCHEDULER_GROUP_KEYS = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums",
+                        "max_momentums")
+
+
+def fit_scheduler_state(state, groups: list[int], saved_count: int):
+    """An LR scheduler's state saved for a checkpoint's ``saved_count`` optimizer groups, fitted to this
+    optimizer's groups: group g takes the entries of saved group ``groups[g]`` (one its parameters were in; those
+    agree in lr). DeepSpeed splits each group into a dense and an expert part only when it sees expert-parallel
+    layers, so the count changes across expert sharding (3 groups and 2 for the HF Trainer's AdamW). Nested
+    schedulers' states (SequentialLR, ChainedScheduler) are fitted alike; entries not kept per group are as saved."""
+    if not isinstance(state, dict):
+        return state
+    fitted = dict(state)
+    for key in SCHEDULER_GROUP_KEYS:
+        value = fitted.get(key)
+        if isinstance(value, list) and len(value) == saved_count:
+            fitted[key] = [value[g] for g in groups]
+    if isinstance(fitted.get("_schedulers"), list):
+        fitted["_schedulers"] = [fit_scheduler_state(inner, groups, saved_count) for inner in fitted["_schedulers"]]
+    return fitted
+
+
+@contextlib.contextmanager
+def fitting_scheduler_loads(scheduler, regroup: tuple[list[int], int] | None):
+    """Within the block, ``scheduler.load_state_dict`` fits the state it is given (``fit_scheduler_state``) when
+    ``regroup`` is (groups, saved group count); as it was afterwards."""
+    if scheduler is None or regroup is None or not callable(getattr(scheduler, "load_state_dict", None)):
+        yield
+        return
+    own = vars(scheduler).get("load_state_dict")
+    load = scheduler.load_state_dict
+
+    def load_fitted(state_dict, *args, **kwargs):
+        return load(fit_scheduler_state(state_dict, *regroup), *args, **kwargs)
+
+    scheduler.load_state_dict = load_fitted
+    try:
+        yield
+    finally:
+        if own is None:
+            del scheduler.load_state_dict
+        else:
+            scheduler.load_state_dict = own
+
+
+def _scheduler_regroup(engine, states: dict) -> tuple[list[int], int] | None:
+    """(for each optimizer group of this ZeRO-1/2 engine, a saved group its parameters were in; the saved group
+    count) when a scheduler's per-group state needs fitting (the groups are not the saved ones, in order); else
+    None, also where the checkpoint does not record each parameter's group (saved without ZeRO)."""
+    lp_groups = _lp_groups(engine.optimizer)
+    param_shapes = states.get("param_shapes")
+    if lp_groups is None or not param_shapes:
+        return None
+    sources = _saved_groups_of(param_shapes, lp_groups, engine.optimizer.param_names)
+    if not all(sources):
+        return None  # parameters the checkpoint lacks: the optimizer's own load says which
+    groups = [found[0] for found in sources]
+    return None if groups == list(range(len(param_shapes))) else (groups, len(param_shapes))
+
+
+def _fit_trainer_scheduler_loads() -> None:
+    """The HF Trainer loads its own ``scheduler.pt`` (the LR scheduler it built on the engine's optimizer, which
+    DeepSpeed's checkpoint does not hold) after DeepSpeed's load, in ``Trainer._load_optimizer_and_scheduler``: that
+    load, routed through ``fitting_scheduler_loads`` with the regrouping our load recorded on the engine. Patched
+    when a load across expert sharding has run in a process where transformers' Trainer is imported (once)."""
+    import sys
+
+    trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    original = getattr(trainer, "_load_optimizer_and_scheduler", None)
+    if original is None or getattr(original, "__loongforge_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def patched(self, checkpoint, *args, **kwargs):
+        regroup = getattr(getattr(self, "model_wrapped", None), "loongforge_scheduler_regroup", None)
+        with fitting_scheduler_loads(getattr(self, "lr_scheduler", None), regroup):
+            return original(self, checkpoint, *args, **kwargs)
+
+    patched.__loongforge_original__ = original
+    trainer._load_optimizer_and_scheduler = patched
 
 
 def check_masters_match_weights(engine, folder: str) -> None:
@@ -376,6 +471,7 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
     saved_how, loaded_how = (("with every expert unsharded", "with expert parallelism") if into_sharded
                              else ("with expert parallelism", "with every expert unsharded"))
     wants_optimizer = load_optimizer_states and not load_module_only
+    states = _model_states(folder)
     if wants_optimizer and not (engine.zero_optimization() and _lp_groups(engine.optimizer) is not None):
         raise CheckpointLayoutError(
             f"[LoongForge] {folder} was saved {saved_how} and this engine runs {loaded_how}, without ZeRO-1/2, where "
@@ -393,7 +489,6 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
                     ep_rank, _ = _expert_rank(param)
                     src[key] = src[key][ep_rank * param.shape[0]:(ep_rank + 1) * param.shape[0]]
     else:
-        states = _model_states(folder)
         experts = {key: value for key, value in saved_weights(folder, states).items() if key not in states["module"]}
 
         def fit(src):
@@ -407,14 +502,22 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
         else:
             dst.load_state_dict(src, strict=strict)
 
+    # the optimizer groups differ from the saved ones (DeepSpeed splits off expert groups only with expert-parallel
+    # layers): an LR scheduler's per-group state is fitted to them, the engine's in DeepSpeed's load, the HF
+    # Trainer's (its own scheduler.pt) in the Trainer's
+    regroup = _scheduler_regroup(engine, states)
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
-        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
-                          **{**kwargs, "custom_load_fn": load_module})
+        with fitting_scheduler_loads(engine.lr_scheduler, regroup):
+            result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
+                              **{**kwargs, "custom_load_fn": load_module})
     finally:
         engine.has_moe_layers = has_moe_layers
     if result[0] is None:
         return result
+    engine.loongforge_scheduler_regroup = regroup
+    if regroup is not None:
+        _fit_trainer_scheduler_loads()
     if wants_optimizer:
         saved = SavedOptimizer(folder)
         load_saved_optimizer_state(engine, saved)
@@ -436,6 +539,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
     folder = tag_folder(load_dir, tag)
+    engine.loongforge_scheduler_regroup = None  # set by a load across expert sharding that regroups
     saved_here = os.path.isfile(os.path.join(folder, MODEL_FILE))  # not, e.g., without 'latest': DeepSpeed's answer
     sharded = getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
     unsharded = holds_unsharded_experts(engine)

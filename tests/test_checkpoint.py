@@ -16,7 +16,8 @@ every load ends with catches DeepSpeed's own load of such a checkpoint (which ta
 same rank saved it): forced down that path, the load raises instead of training on other experts' moments.
 Without ZeRO (one optimizer file per expert-parallel rank) another ep_size, or unsharded experts, is an error on every
 rank, and the weights alone load. A checkpoint saved before the first step (no moments) loads at ep_size 4 and
-takes the same first step.
+takes the same first step. Across expert sharding the optimizer's group count changes, and torch LR schedulers'
+per-group state is fitted to the new groups (the HF Trainer's, end to end, in tests/integrations/test_config_only.py).
 """
 
 import os
@@ -212,7 +213,8 @@ def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
             path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}", tag="step2")
             assert path is not None
             results[(case, label)] = {**_states(net, engine), "ep_rank": _ep_rank(net), "ep_size": ep_size,
-                                      "has_moe_layers": engine.has_moe_layers}
+                                      "has_moe_layers": engine.has_moe_layers,
+                                      "regroup": engine.loongforge_scheduler_regroup}
             if ep_size is None:
                 # saved again with every expert unsharded, and loaded back at ep_size 2: the same state, each rank's
                 # experts cut from the stacked ones
@@ -220,7 +222,8 @@ def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
                 net, engine = _engine(case, 2, 0, seed + 9)
                 path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}_plain", tag="step2")
                 assert path is not None and engine.has_moe_layers
-                results[(case, f"{label}_to_ep2")] = {**_states(net, engine), "ep_rank": _ep_rank(net)}
+                results[(case, f"{label}_to_ep2")] = {**_states(net, engine), "ep_rank": _ep_rank(net),
+                                                      "regroup": engine.loongforge_scheduler_regroup}
     torch.save(results, f"{out_dir}/{loads[0][0]}{rank}.pt")
 
 
@@ -271,6 +274,11 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
                 _assert_loaded(saved_case, world2[rank][(case, label)], ep_size, f"{case}, {label}, rank {rank}")
             # no MoE layer DeepSpeed knows, so no expert files read by DeepSpeed
             assert not world2[rank][(case, "world2_plain")]["has_moe_layers"]
+            # the optimizer groups an LR scheduler's per-group state is fitted to (fit_scheduler_state): the saved
+            # dense and expert groups into one, and one into a dense and an expert group; none at the same sharding
+            regroups = [world2[rank][(case, label)]["regroup"]
+                        for label in ("world2_ep2", "world2_ep1", "world2_plain", "world2_plain_to_ep2")]
+            assert regroups == [None, None, ([0], 2), ([0, 0], 1)], regroups
             _assert_loaded(saved_case, world2[rank][(case, "world2_plain_to_ep2")], 2,
                            f"{case}, unsharded checkpoint into ep_size 2, rank {rank}")
         # the other layout puts rank 1 at ep rank 0 (it held ep rank 1's experts when saving): a real change
@@ -334,3 +342,70 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
             want = value[loaded["ep_rank"] * (E // 2):(loaded["ep_rank"] + 1) * (E // 2)] if ".experts." in name \
                 else value
             assert torch.equal(loaded[name], want), f"ZeRO-0 unsharded weights at ep_size 2, rank {rank}, {name}"
+
+
+# LR schedulers as a training script builds them on its optimizer; each keeps some state per parameter group
+SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)),
+    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)], milestones=[2]),
+    "cyclic": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=[0.1 * g["lr"] for g in
+                                                                                       opt.param_groups],
+                                                            step_size_up=2, cycle_momentum=False),
+    "plateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0,
+                                                                      min_lr=[g["lr"] / 8 for g in opt.param_groups]),
+}
+
+
+def _optimizer(lrs: list[float]) -> torch.optim.Optimizer:
+    return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
+
+
+def _stepped(make, lrs: list[float], steps: int = 3):
+    optimizer = _optimizer(lrs)
+    scheduler = make(optimizer)
+    for step in range(steps):
+        optimizer.step()
+        scheduler.step(*((1.0,) if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) else ()))
+    return optimizer, scheduler
+
+
+def _comparable(state):
+    """A scheduler's state without its functions' attributes (LambdaLR keeps those of non-function lambdas)."""
+    if isinstance(state, dict):
+        return {k: _comparable(v) for k, v in state.items() if k != "lr_lambdas"}
+    return [_comparable(v) for v in state] if isinstance(state, list) else state
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+@pytest.mark.parametrize("saved_lrs, lrs, groups", [
+    ([0.1, 0.2, 0.1], [0.1, 0.2], [0, 1]),      # expert-parallel (dense, dense without decay, experts) -> unsharded
+    ([0.1, 0.2], [0.1, 0.2, 0.1], [0, 1, 0]),   # and back
+    ([0.1], [0.1, 0.1], [0, 0])])               # one group, and a dense and an expert part of it
+def test_scheduler_state_fits_other_optimizer_groups(name, saved_lrs, lrs, groups):
+    """A scheduler's state saved for one set of optimizer groups, fitted (``fit_scheduler_state``) and loaded into
+    the same scheduler on other groups, is the state that scheduler reaches on those groups itself; loading it as
+    saved raises (torch) or leaves the wrong number of entries."""
+    from ds_loongforge.checkpoint import fit_scheduler_state, fitting_scheduler_loads
+
+    make = SCHEDULERS[name]
+    _, saved = _stepped(make, saved_lrs)
+    state = saved.state_dict()
+    want_optimizer, want = _stepped(make, lrs)
+    optimizer = _optimizer(lrs)
+    scheduler = make(optimizer)
+    with fitting_scheduler_loads(scheduler, (groups, len(saved_lrs))):
+        scheduler.load_state_dict(state)
+    assert "load_state_dict" not in vars(scheduler)  # the class's own again
+    assert _comparable(scheduler.state_dict()) == _comparable(want.state_dict())
+    assert _comparable(fit_scheduler_state(state, groups, len(saved_lrs))) == _comparable(want.state_dict())
+    if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        assert scheduler.get_last_lr() == want.get_last_lr()
+    # as saved: the per-group entries are the other groups'
+    unfitted = make(_optimizer(lrs))
+    try:
+        unfitted.load_state_dict(state)
+    except (IndexError, ValueError):
+        return
+    assert _comparable(unfitted.state_dict()) != _comparable(want.state_dict())

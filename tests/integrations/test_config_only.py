@@ -150,6 +150,51 @@ print("RESUMED " + json.dumps({"step": trainer.state.global_step}))
 leave()
 """
 
+# the HF Trainer over a linear schedule of 6 steps, resuming argv[4] when given, stopping (and saving) after step
+# argv[3]; each rank records its fp32 masters, expert-parallel rank, LR scheduler state and group lrs as the first
+# step begins (after the Trainer's load) and as training ends
+TRAINER_CHAIN_SCRIPT = MODEL_SNIPPET + """
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from deepspeed.utils import safe_get_full_fp32_param
+
+stop, resume = int(sys.argv[3]), (sys.argv[4] if len(sys.argv) > 4 else None)
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (24, 16))]
+args = TrainingArguments(output_dir=sys.argv[2], deepspeed=sys.argv[1], max_steps=6, per_device_train_batch_size=2,
+                         learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no")
+trainer = Trainer(model=model, args=args, train_dataset=data)
+
+
+def record(name, step):
+    module = trainer.model_wrapped.module
+    ep = next(((m.ep_rank, m.ep_size) for m in module.modules() if type(m).__name__ == "DeepSpeedExpertMaskedMoE"),
+              (0, 1))
+    torch.save({"masters": {n: safe_get_full_fp32_param(p) for n, p in module.named_parameters()}, "ep": ep,
+                "step": step, "scheduler": trainer.lr_scheduler.state_dict(),
+                "lrs": [g["lr"] for g in trainer.optimizer.param_groups]},
+               f"{sys.argv[2]}/{name}{torch.distributed.get_rank()}.pt")
+
+
+class Record(TrainerCallback):
+    begun = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.begun:
+            self.begun = True
+            record("begin", state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == stop:
+            control.should_save = control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        record("end", state.global_step)
+
+
+trainer.add_callback(Record())
+trainer.train(resume_from_checkpoint=resume)
+leave()
+"""
+
 # a plain accelerate script: DeepSpeed through accelerate's plugin, the script's own AdamW and loader
 ACCELERATE_SCRIPT = MODEL_SNIPPET + """
 from accelerate import Accelerator
@@ -451,6 +496,69 @@ def test_hf_trainer_expert_parallel_checkpoint_exports(tmp_path, accelerate_inst
             want = torch.cat([ranks[0][name], ranks[1][name]])[rank:rank + 1] if ".experts." in name else \
                 ranks[0][name]
             assert torch.equal(value, want), f"rank {rank}, {name}"
+
+
+def _trainer_records(out, name: str, ranks: int) -> dict:
+    """A TRAINER_CHAIN_SCRIPT run's records at ``name`` ('begin', 'end'): its step, each rank's scheduler state and
+    group lrs, and every parameter's fp32 master whole (the experts of the expert-parallel ranks concatenated)."""
+    import torch
+
+    records = [torch.load(out / f"{name}{rank}.pt") for rank in range(ranks)]
+    by_ep_rank = {}
+    for record in records:
+        by_ep_rank.setdefault(record["ep"][0], record["masters"])
+    ep_size = records[0]["ep"][1]
+    assert sorted(by_ep_rank) == list(range(ep_size)), [r["ep"] for r in records]
+    masters = {key: torch.cat([by_ep_rank[e][key] for e in range(ep_size)]) if ".experts." in key else value
+               for key, value in by_ep_rank[0].items()}
+    assert len({r["step"] for r in records}) == 1
+    return {"step": records[0]["step"], "masters": masters, "schedulers": [r["scheduler"] for r in records],
+            "lrs": [r["lrs"] for r in records]}
+
+
+@pytest.mark.parametrize("optimizer_from", ["trainer", "config"])
+def test_hf_trainer_resumes_across_expert_sharding(tmp_path, accelerate_installed, optimizer_from):
+    """The HF Trainer saved with every expert on every rank (moe.ep_size 1) resumes with expert parallelism
+    (ep_size 2) and that checkpoint again at ep_size 1, on 2 ranks, ZeRO-2 and FusedAdamWClip. DeepSpeed gives the
+    optimizer 3 groups with expert-parallel layers (the experts' own) and 2 without, so the LR scheduler's state,
+    one LambdaLR entry per group, is fitted to the groups (ds_loongforge.checkpoint); torch raised IndexError on it.
+    The Trainer's AdamW keeps its scheduler in its own scheduler.pt; with the optimizer in the DeepSpeed config the
+    Trainer hands DeepSpeed a scheduler factory and the engine's checkpoint holds it. Each resume begins at the saved
+    step with the saved masters, bit for bit, and the schedule where it was."""
+    import torch
+
+    config = {**HF_BASE, "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
+    if optimizer_from == "config":
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    previous, checkpoint = None, None
+    for run, (ep_size, stop) in enumerate([(1, 2), (2, 4), (1, 6)]):
+        out = tmp_path / f"run{run}"
+        config["loongforge"]["moe"] = {"ep_size": ep_size}
+        output = _run_script(tmp_path, TRAINER_CHAIN_SCRIPT, config, str(out), str(stop),
+                             *([checkpoint] if checkpoint else []), ranks=2)
+        begin, end = _trainer_records(out, "begin", 2), _trainer_records(out, "end", 2)
+        assert end["step"] == stop
+        # the Trainer's AdamW groups parameters with and without weight decay, DeepSpeed's takes them as one; with
+        # expert-parallel layers DeepSpeed splits off an expert group
+        groups = (2 if optimizer_from == "trainer" else 1) + (ep_size > 1)
+        for scheduler, lrs in zip(begin["schedulers"] + end["schedulers"], begin["lrs"] + end["lrs"]):
+            assert len(scheduler["base_lrs"]) == len(scheduler["lr_lambdas"]) == len(lrs) == groups, scheduler
+            assert scheduler["_last_lr"] == lrs, (scheduler, lrs)
+        if previous is not None:
+            assert "loaded at 2 ranks with " + ("expert parallelism" if ep_size > 1 else "every expert unsharded") \
+                in output, output[-6000:]
+            assert begin["step"] == previous["step"]
+            for key, value in previous["masters"].items():
+                assert torch.equal(begin["masters"][key], value), f"run {run}: {key}"
+            saved = previous["schedulers"][0]
+            for scheduler in begin["schedulers"]:
+                assert scheduler["last_epoch"] == saved["last_epoch"] == previous["step"], (scheduler, saved)
+                assert set(scheduler["_last_lr"]) == set(saved["_last_lr"]), (scheduler, saved)
+            # linear decay over 6 steps from 1e-3: the resumed run trains on at the lr the schedule had reached
+            assert begin["lrs"][0][0] == pytest.approx(1e-3 * (6 - previous["step"]) / 6)
+        assert not all(torch.equal(end["masters"][key], value) for key, value in begin["masters"].items())
+        previous, checkpoint = end, str(out / f"checkpoint-{stop}")
 
 
 def test_library_entry_points_are_lazy():
