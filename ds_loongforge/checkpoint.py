@@ -356,26 +356,62 @@ def _scheduler_regroup(engine, states: dict) -> tuple[list[int], int] | None:
     return None if groups == list(range(len(param_shapes))) else (groups, len(param_shapes))
 
 
-def _fit_trainer_scheduler_loads() -> None:
-    """The HF Trainer loads its own ``scheduler.pt`` (the LR scheduler it built on the engine's optimizer, which
-    DeepSpeed's checkpoint does not hold) after DeepSpeed's load, in ``Trainer._load_optimizer_and_scheduler``: that
-    load, routed through ``fitting_scheduler_loads`` with the regrouping our load recorded on the engine. Patched
-    when a load across expert sharding has run in a process where transformers' Trainer is imported (once)."""
+REGROUP_ATTRIBUTE = "loongforge_scheduler_regroup"
+
+
+def scheduler_regroup(scheduler) -> tuple[list[int], int] | None:
+    """The regrouping a load across expert sharding recorded on the optimizer ``scheduler`` was built on (through
+    wrappers: accelerate's AcceleratedScheduler and AcceleratedOptimizer, DeepSpeed's ZeRO optimizer); None when
+    there is none."""
+    seen, todo = set(), [scheduler]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen or len(seen) > 16:
+            continue
+        seen.add(id(obj))
+        regroup = vars(obj).get(REGROUP_ATTRIBUTE) if hasattr(obj, "__dict__") else None
+        if regroup is not None:
+            return regroup
+        todo += [getattr(obj, "scheduler", None), getattr(obj, "optimizer", None)]
+    return None
+
+
+def _fit_client_scheduler_loads() -> None:
+    """Scripts load the LR schedulers DeepSpeed's checkpoint does not hold after DeepSpeed's load: the HF Trainer
+    its ``scheduler.pt`` in ``Trainer._load_optimizer_and_scheduler``, accelerate's ``load_state`` each prepared
+    scheduler's ``scheduler.bin`` in ``load_accelerator_state``. Those loads are routed through
+    ``fitting_scheduler_loads`` for schedulers built on an optimizer a load across expert sharding regrouped.
+    Patched (once each) when such a load runs and transformers' Trainer or accelerate is imported: both look the
+    patched names up after DeepSpeed's load, within the same call."""
     import sys
 
-    trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
-    original = getattr(trainer, "_load_optimizer_and_scheduler", None)
-    if original is None or getattr(original, "__loongforge_original__", None) is not None:
-        return
-
-    @functools.wraps(original)
-    def patched(self, checkpoint, *args, **kwargs):
-        regroup = getattr(getattr(self, "model_wrapped", None), "loongforge_scheduler_regroup", None)
-        with fitting_scheduler_loads(getattr(self, "lr_scheduler", None), regroup):
+    def load_trainer_scheduler(original, self, checkpoint, *args, **kwargs):
+        scheduler = getattr(self, "lr_scheduler", None)
+        with fitting_scheduler_loads(scheduler, scheduler_regroup(scheduler)):
             return original(self, checkpoint, *args, **kwargs)
 
+    def load_accelerator_state(original, input_dir, models, optimizers, schedulers, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for scheduler in schedulers:
+                stack.enter_context(fitting_scheduler_loads(scheduler, scheduler_regroup(scheduler)))
+            return original(input_dir, models, optimizers, schedulers, *args, **kwargs)
+
+    _patch_once(getattr(sys.modules.get("transformers.trainer"), "Trainer", None), "_load_optimizer_and_scheduler",
+                load_trainer_scheduler)
+    _patch_once(sys.modules.get("accelerate.accelerator"), "load_accelerator_state", load_accelerator_state)
+
+
+def _patch_once(owner, name: str, replacement) -> None:
+    """``owner.name`` becomes ``replacement(original, *args, **kwargs)``, unless it already is, or is missing."""
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, "__loongforge_original__", None) is not None:
+        return
+    @functools.wraps(original)
+    def patched(*args, **kwargs):  # a function, so that a method binds its instance
+        return replacement(original, *args, **kwargs)
+
     patched.__loongforge_original__ = original
-    trainer._load_optimizer_and_scheduler = patched
+    setattr(owner, name, patched)
 
 
 def check_masters_match_weights(engine, folder: str) -> None:
@@ -515,9 +551,9 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
         engine.has_moe_layers = has_moe_layers
     if result[0] is None:
         return result
-    engine.loongforge_scheduler_regroup = regroup
     if regroup is not None:
-        _fit_trainer_scheduler_loads()
+        setattr(engine.optimizer, REGROUP_ATTRIBUTE, regroup)
+        _fit_client_scheduler_loads()
     if wants_optimizer:
         saved = SavedOptimizer(folder)
         load_saved_optimizer_state(engine, saved)
@@ -539,7 +575,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)
     folder = tag_folder(load_dir, tag)
-    engine.loongforge_scheduler_regroup = None  # set by a load across expert sharding that regroups
+    if engine.optimizer is not None and hasattr(engine.optimizer, "__dict__"):
+        vars(engine.optimizer).pop(REGROUP_ATTRIBUTE, None)  # set again by a load across sharding that regroups
     saved_here = os.path.isfile(os.path.join(folder, MODEL_FILE))  # not, e.g., without 'latest': DeepSpeed's answer
     sharded = getattr(engine, "has_moe_layers", False) and _holds_stacked_experts(engine.module)
     unsharded = holds_unsharded_experts(engine)

@@ -186,6 +186,7 @@ def _save_and_reload_worker(rank, world, port, ckpt_dir, out_dir, seed):
 def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
     _setup(rank, world, port)
     from ds_loongforge import checkpoint
+    from ds_loongforge.checkpoint import scheduler_regroup
 
     # what ds_loongforge.initialize does for an engine of unsharded experts (tests/integrations: the HF Trainer)
     checkpoint.install()
@@ -214,7 +215,7 @@ def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
             assert path is not None
             results[(case, label)] = {**_states(net, engine), "ep_rank": _ep_rank(net), "ep_size": ep_size,
                                       "has_moe_layers": engine.has_moe_layers,
-                                      "regroup": engine.loongforge_scheduler_regroup}
+                                      "regroup": scheduler_regroup(engine.optimizer)}
             if ep_size is None:
                 # saved again with every expert unsharded, and loaded back at ep_size 2: the same state, each rank's
                 # experts cut from the stacked ones
@@ -223,7 +224,7 @@ def _reload_worker(rank, world, port, ckpt_dir, out_dir, seed, loads):
                 path, _ = engine.load_checkpoint(f"{ckpt_dir}/{case}_plain", tag="step2")
                 assert path is not None and engine.has_moe_layers
                 results[(case, f"{label}_to_ep2")] = {**_states(net, engine), "ep_rank": _ep_rank(net),
-                                                      "regroup": engine.loongforge_scheduler_regroup}
+                                                      "regroup": scheduler_regroup(engine.optimizer)}
     torch.save(results, f"{out_dir}/{loads[0][0]}{rank}.pt")
 
 

@@ -117,11 +117,13 @@ def _resolve_config(call: dict) -> Any:
 
 
 def _initialize_enabled(original, call: dict, ds_config: dict, config):
+    import torch
+
     from ds_loongforge.config import apply_op_settings, throughput_timer_setting
     from ds_loongforge.integrations.inject import inject
     from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
     from ds_loongforge.optim import initialize as optim_initialize
-    from ds_loongforge.optim.ds_integration import check_zero_setup
+    from ds_loongforge.optim.ds_integration import check_zero_setup, split_client_optimizer
 
     _ensure_log_handler()
     model = call.get("model")
@@ -177,6 +179,13 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         engine, optimizer, loader, scheduler = optim_initialize(**call)
     else:
         logger.info("[LoongForge] optimizer: not replaced (%s)", _optimizer_reason(client_optimizer))
+        if config.moe.ep_size > 1 and isinstance(client_optimizer, torch.optim.Optimizer):
+            split = split_client_optimizer(client_optimizer)
+            if split is not None:
+                call["optimizer"] = split
+                logger.info("[LoongForge] client optimizer: %s with its expert parameters split into %d 'moe' "
+                            "groups for ZeRO (each follows its source group's lr and other hyper-parameters)",
+                            type(split).__name__, len(split.param_groups) - len(client_optimizer.param_groups))
         engine, optimizer, loader, scheduler = original(**call)
 
     if own_loader:

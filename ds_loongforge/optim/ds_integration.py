@@ -198,6 +198,43 @@ def _split_client_groups(groups: list[dict]) -> tuple[list[dict], dict[int, dict
                    if id(group) not in client and group["params"]}
 
 
+_STRUCTURAL_GROUP_KEYS = ("params", "name", "moe")
+
+
+def split_client_optimizer(client: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """A script's own torch optimizer on an expert-parallel model, as ZeRO needs it: the same optimizer over the
+    client's groups with the expert parameters split out into 'moe' groups (``_split_client_groups``); ZeRO-1/2
+    asserts without them ("None of the param groups are marked as MoE"), and DeepSpeed splits only an optimizer of
+    its own config. The result is a shallow copy of ``client`` (its class, defaults, state and hooks) whose group
+    list holds the client's own dicts and the new ones, so the client's group list is left as it was: an LR
+    scheduler built on the client before ``deepspeed.initialize`` (accelerate's prepare, a plain script) keeps its
+    entries per client group (torch zips them strictly) and keeps setting the lr in those dicts, and each new group
+    takes the hyper-parameters of the group it came from before every step (a step pre-hook), as FusedAdamWClip's
+    split groups do. None when there is nothing to split (expert groups already, or no expert parameters)."""
+    if _has_expert_groups(client.param_groups):
+        return None
+    split, sources = _split_client_groups(client.param_groups)
+    followed = [(group, sources[id(group)]) for group in split if id(group) in sources]
+    if not followed:
+        return None
+    optimizer = copy.copy(client)
+    vars(optimizer).pop("step", None)  # an LR scheduler's wrapper of the client's bound step, if any
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if isinstance(getattr(client, hooks, None), dict):
+            setattr(optimizer, hooks, type(getattr(client, hooks))(getattr(client, hooks)))
+    optimizer.param_groups = split
+
+    def follow(opt, args, kwargs):
+        for group, source in followed:
+            group.update({k: v for k, v in source.items() if k not in _STRUCTURAL_GROUP_KEYS})
+
+    optimizer.register_step_pre_hook(follow)
+    # the client's step never runs now: tell an LR scheduler built on it (torch's order check) that it did not miss
+    # it, else its first step warns that optimizer.step() was not called before it
+    client._opt_called = True
+    return optimizer
+
+
 _CLIENT_FLAGS_OFF = ("amsgrad", "maximize")
 
 

@@ -516,19 +516,20 @@ def _trainer_records(out, name: str, ranks: int) -> dict:
             "lrs": [r["lrs"] for r in records]}
 
 
-@pytest.mark.parametrize("optimizer_from", ["trainer", "config"])
-def test_hf_trainer_resumes_across_expert_sharding(tmp_path, accelerate_installed, optimizer_from):
+@pytest.mark.parametrize("optimizer_from, fused", [("trainer", True), ("trainer", False), ("config", True)])
+def test_hf_trainer_resumes_across_expert_sharding(tmp_path, accelerate_installed, optimizer_from, fused):
     """The HF Trainer saved with every expert on every rank (moe.ep_size 1) resumes with expert parallelism
-    (ep_size 2) and that checkpoint again at ep_size 1, on 2 ranks, ZeRO-2 and FusedAdamWClip. DeepSpeed gives the
-    optimizer 3 groups with expert-parallel layers (the experts' own) and 2 without, so the LR scheduler's state,
-    one LambdaLR entry per group, is fitted to the groups (ds_loongforge.checkpoint); torch raised IndexError on it.
-    The Trainer's AdamW keeps its scheduler in its own scheduler.pt; with the optimizer in the DeepSpeed config the
-    Trainer hands DeepSpeed a scheduler factory and the engine's checkpoint holds it. Each resume begins at the saved
-    step with the saved masters, bit for bit, and the schedule where it was."""
+    (ep_size 2) and that checkpoint again at ep_size 1, on 2 ranks, ZeRO-2. DeepSpeed gives the optimizer 3 groups
+    with expert-parallel layers (the experts' own) and 2 without, so the LR scheduler's state, one LambdaLR entry
+    per group, is fitted to the groups (ds_loongforge.checkpoint); torch raised IndexError on it. The Trainer's
+    AdamW (FusedAdamWClip standing in, or torch's own, whose experts the hook splits into a 'moe' group: ZeRO
+    asserted without one) keeps its scheduler in its own scheduler.pt; with the optimizer in the DeepSpeed config
+    the Trainer hands DeepSpeed a scheduler factory and the engine's checkpoint holds it. Each resume begins at the
+    saved step with the saved masters, bit for bit, and the schedule where it was."""
     import torch
 
     config = {**HF_BASE, "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
-              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
+              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": fused}}}
     if optimizer_from == "config":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
     previous, checkpoint = None, None
@@ -545,6 +546,9 @@ def test_hf_trainer_resumes_across_expert_sharding(tmp_path, accelerate_installe
         for scheduler, lrs in zip(begin["schedulers"] + end["schedulers"], begin["lrs"] + end["lrs"]):
             assert len(scheduler["base_lrs"]) == len(scheduler["lr_lambdas"]) == len(lrs) == groups, scheduler
             assert scheduler["_last_lr"] == lrs, (scheduler, lrs)
+        if not fused and ep_size > 1:
+            assert "[LoongForge] client optimizer: AdamW with its expert parameters split into 1 'moe' groups" \
+                in output, output[-6000:]
         if previous is not None:
             assert "loaded at 2 ranks with " + ("expert parallelism" if ep_size > 1 else "every expert unsharded") \
                 in output, output[-6000:]

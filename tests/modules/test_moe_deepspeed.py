@@ -372,6 +372,65 @@ def test_client_schedule_drives_the_split_expert_group(tmp_path):
         assert result["lrs"] == [[0.01 * 0.5 ** step] for step in range(STEPS)], result["lrs"]
 
 
+def _client_torch_adamw_worker(rank, world, port, seed, stages, out_dir):
+    """A script's own torch AdamW (FusedAdamWClip off) and a LambdaLR built on it before deepspeed.initialize, on
+    an expert-parallel model: split_client_optimizer moves the experts into a 'moe' group (ZeRO asserts without
+    one), which must follow the schedule's lr."""
+    _setup_env(rank, world, port)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim.ds_integration import split_client_optimizer
+
+    results = {}
+    for stage in stages:
+        net = _deepspeed_net(_reference(seed), world, rank)
+        client = torch.optim.AdamW(net.parameters(), lr=ADAM_LR, weight_decay=0.1, eps=ADAM_EPS)
+        schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 0.5 ** step)
+        split = split_client_optimizer(client)
+        engine, *_ = deepspeed.initialize(model=net, optimizer=split, lr_scheduler=schedule, config=_config(stage))
+        params, lrs = [], []
+        for x, target in _batches(world, seed):
+            engine.backward(engine(x[rank], target[rank]))
+            engine.step()
+            params.append(_params(net))
+            lrs.append([g["lr"] for g in engine.optimizer.param_groups])  # as the next step will take them
+        results[stage] = {"type": type(split).__name__, "moe": [bool(g.get("moe")) for g in split.param_groups],
+                          "client_groups": len(client.param_groups), "params": params, "lrs": lrs}
+    torch.save(results, f"{out_dir}/torch_adamw{rank}.pt")
+
+
+def test_client_torch_adamw_split_for_expert_parallelism(tmp_path):
+    """2 ranks, each with half the experts, ZeRO-1 and 2, the script's torch AdamW and LambdaLR (the config-only
+    path with fused_adamw_clip off): the parameters after each step equal torch AdamW + LambdaLR +
+    clip_grad_norm_ in one process holding every expert, so the experts are reduced over their group and take the
+    scheduled lr; without the split ZeRO refuses the optimizer."""
+    seed, world, stages = int(torch.randint(0, 2**31, ())), 2, (1, 2)
+    _spawn(_client_torch_adamw_worker, world, seed, stages, str(tmp_path))
+    net = _reference(seed)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=ADAM_LR, weight_decay=0.1, eps=ADAM_EPS)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    want_params = []
+    for x, target in _batches(world, seed):
+        optimizer.zero_grad()
+        net(x.reshape(-1, H), target.reshape(-1, H)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+        optimizer.step()
+        schedule.step()
+        want_params.append(_params(net))
+    for rank in range(world):
+        results = torch.load(tmp_path / f"torch_adamw{rank}.pt")
+        for stage in stages:
+            result, what = results[stage], f"torch AdamW split by split_client_optimizer, ZeRO-{stage}"
+            # the script's optimizer keeps its one group (its LambdaLR zips over them strictly)
+            assert result["type"] == "AdamW" and result["moe"] == [False, True] and result["client_groups"] == 1
+            # after step s: the script's group holds the lr the LambdaLR set for step s + 1, the expert group the
+            # one it copied from there for step s
+            assert [lrs for lrs in result["lrs"]] == [[ADAM_LR * 0.5 ** (s + 1), ADAM_LR * 0.5 ** s]
+                                                      for s in range(STEPS)], result["lrs"]
+            for step, params in enumerate(result["params"]):
+                _assert_rank_matches_reference(params, want_params[step], rank, world, f"{what}, step {step}",
+                                               ADAM_PARAM_TOL)
+
+
 ADAM_LR = 0.01
 # Adam moves each entry by about lr * g / (|g| + eps): for a gradient entry within a few eps of 0 the step swings
 # with the last bits of g, which expert parallelism's reduction order changes (seed 492477617: 1 entry of 2048 off
