@@ -277,14 +277,18 @@ def _saved_hyperparameters(saved: SavedOptimizer, lp_groups, names: dict) -> lis
     parameters were in (the checkpoint records each parameter's group), which holds whatever the ep_size and
     whether the experts were sharded: DeepSpeed splits every group of the model into a dense and an expert part
     when there are expert-parallel layers, and not otherwise. Those saved groups must agree (the expert flag apart,
-    which stays this engine's)."""
+    which stays this engine's; where dense and expert groups meet, the dense ones, which the expert ones follow)."""
     def hyper(group: dict) -> dict:
         return {k: v for k, v in group.items() if k not in ("params", "name", "moe")}
 
     saved_groups = saved.optim(0)["base_optimizer_state"]["param_groups"]
     out = []
     for g, sources in enumerate(_saved_groups_of(saved.param_shapes, lp_groups, names)):
-        options = [hyper(saved_groups[i]) for i in sources]
+        # an expert group split off a dense one follows that group's hyper-parameters, at its next step (saved
+        # between a scheduler's step and that one, by an optimizer of before the state-dict sync, it is a step
+        # behind): the dense groups' are the ones to agree
+        dense = [i for i in sources if not saved_groups[i].get("moe")]
+        options = [hyper(saved_groups[i]) for i in dense or sources]
         if not options or any(o != options[0] for o in options):
             raise CheckpointLayoutError(
                 f"{saved.folder}: this engine's optimizer group {g} holds parameters of the saved groups {sources}, "
@@ -300,21 +304,31 @@ SCHEDULER_GROUP_KEYS = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lr
                         "max_momentums")
 
 
-def fit_scheduler_state(state, groups: list[int], saved_count: int):
+def fit_scheduler_state(state, groups: list[int], saved_count: int, template: dict | None = None):
     """An LR scheduler's state saved for a checkpoint's ``saved_count`` optimizer groups, fitted to this
     optimizer's groups: group g takes the entries of saved group ``groups[g]`` (one its parameters were in; those
     agree in lr). DeepSpeed splits each group into a dense and an expert part only when it sees expert-parallel
     layers, so the count changes across expert sharding (3 groups and 2 for the HF Trainer's AdamW). Nested
-    schedulers' states (SequentialLR, ChainedScheduler) are fitted alike; entries not kept per group are as saved."""
+    schedulers' states (SequentialLR, ChainedScheduler) are fitted alike; entries not kept per group are as saved.
+    ``template``, the loading scheduler's own state, limits the fit to the entries it keeps per optimizer group (a
+    scheduler built on a script's optimizer before ``deepspeed.initialize`` keeps one per script group)."""
     if not isinstance(state, dict):
         return state
     fitted = dict(state)
     for key in SCHEDULER_GROUP_KEYS:
         value = fitted.get(key)
-        if isinstance(value, list) and len(value) == saved_count:
+        if template is None:
+            mine = len(groups)
+        else:
+            mine = len(template[key]) if isinstance(template.get(key), list) else None
+        if isinstance(value, list) and len(value) == saved_count and mine == len(groups):
             fitted[key] = [value[g] for g in groups]
-    if isinstance(fitted.get("_schedulers"), list):
-        fitted["_schedulers"] = [fit_scheduler_state(inner, groups, saved_count) for inner in fitted["_schedulers"]]
+    inner = fitted.get("_schedulers")
+    if isinstance(inner, list):
+        templates = ([None] * len(inner) if template is None
+                     else list(template.get("_schedulers") or []) + [{}] * len(inner))
+        fitted["_schedulers"] = [fit_scheduler_state(state, groups, saved_count, own)
+                                 for state, own in zip(inner, templates)]
     return fitted
 
 
@@ -329,7 +343,7 @@ def fitting_scheduler_loads(scheduler, regroup: tuple[list[int], int] | None):
     load = scheduler.load_state_dict
 
     def load_fitted(state_dict, *args, **kwargs):
-        return load(fit_scheduler_state(state_dict, *regroup), *args, **kwargs)
+        return load(fit_scheduler_state(state_dict, *regroup, template=scheduler.state_dict()), *args, **kwargs)
 
     scheduler.load_state_dict = load_fitted
     try:
@@ -352,7 +366,7 @@ def _scheduler_regroup(engine, states: dict) -> tuple[list[int], int] | None:
     sources = _saved_groups_of(param_shapes, lp_groups, engine.optimizer.param_names)
     if not all(sources):
         return None  # parameters the checkpoint lacks: the optimizer's own load says which
-    groups = [found[0] for found in sources]
+    groups = [found[0] for found in sources]  # DeepSpeed puts expert groups after the dense ones they follow
     return None if groups == list(range(len(param_shapes))) else (groups, len(param_shapes))
 
 

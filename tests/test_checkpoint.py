@@ -410,3 +410,17 @@ def test_scheduler_state_fits_other_optimizer_groups(name, saved_lrs, lrs, group
     except (IndexError, ValueError):
         return
     assert _comparable(unfitted.state_dict()) != _comparable(want.state_dict())
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_scheduler_with_entries_per_script_group_is_left_as_saved(name):
+    """A scheduler built on a script's optimizer before deepspeed.initialize keeps one entry per script group
+    whatever groups the engine's optimizer has: a regrouped load (2 saved groups into 3) leaves its state as saved,
+    where fitting it would give it entries for groups it does not have."""
+    from ds_loongforge.checkpoint import fitting_scheduler_loads
+
+    _, saved = _stepped(SCHEDULERS[name], [0.1, 0.2])
+    scheduler = SCHEDULERS[name](_optimizer([0.1, 0.2]))
+    with fitting_scheduler_loads(scheduler, ([0, 1, 0], 2)):
+        scheduler.load_state_dict(saved.state_dict())
+    assert _comparable(scheduler.state_dict()) == _comparable(saved.state_dict())

@@ -209,8 +209,9 @@ def split_client_optimizer(client: torch.optim.Optimizer) -> torch.optim.Optimiz
     list holds the client's own dicts and the new ones, so the client's group list is left as it was: an LR
     scheduler built on the client before ``deepspeed.initialize`` (accelerate's prepare, a plain script) keeps its
     entries per client group (torch zips them strictly) and keeps setting the lr in those dicts, and each new group
-    takes the hyper-parameters of the group it came from before every step (a step pre-hook), as FusedAdamWClip's
-    split groups do. None when there is nothing to split (expert groups already, or no expert parameters)."""
+    takes the hyper-parameters of the group it came from before every step and before its state is saved (hooks),
+    as FusedAdamWClip's split groups do; a load keeps those dicts (torch's would put new ones in their place). None
+    when there is nothing to split (expert groups already, or no expert parameters)."""
     if _has_expert_groups(client.param_groups):
         return None
     split, sources = _split_client_groups(client.param_groups)
@@ -219,16 +220,27 @@ def split_client_optimizer(client: torch.optim.Optimizer) -> torch.optim.Optimiz
         return None
     optimizer = copy.copy(client)
     vars(optimizer).pop("step", None)  # an LR scheduler's wrapper of the client's bound step, if any
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-        if isinstance(getattr(client, hooks, None), dict):
-            setattr(optimizer, hooks, type(getattr(client, hooks))(getattr(client, hooks)))
+    for name, hooks in vars(client).items():  # its own hook tables, for the hooks added below
+        if name.endswith("_hooks") and isinstance(hooks, dict):
+            setattr(optimizer, name, type(hooks)(hooks))
     optimizer.param_groups = split
+    own = list(split)  # the group dicts the client, its LR scheduler and the followed pairs hold
 
-    def follow(opt, args, kwargs):
+    def follow(*args):
         for group, source in followed:
             group.update({k: v for k, v in source.items() if k not in _STRUCTURAL_GROUP_KEYS})
 
+    def into_own_dicts(opt):  # torch's load_state_dict puts new group dicts in place of those others hold
+        for i, group in enumerate(own):
+            loaded = opt.param_groups[i]
+            if loaded is not group:
+                group.clear()
+                group.update(loaded)
+                opt.param_groups[i] = group
+
     optimizer.register_step_pre_hook(follow)
+    optimizer.register_state_dict_pre_hook(follow)  # saved as the next step will take them
+    optimizer.register_load_state_dict_post_hook(into_own_dicts)
     # the client's step never runs now: tell an LR scheduler built on it (torch's order check) that it did not miss
     # it, else its first step warns that optimizer.step() was not called before it
     client._opt_called = True

@@ -81,6 +81,18 @@ class FusedAdamWClip(torch.optim.Optimizer):
             raise ValueError("follow_hyperparameters: group is not one of this optimizer's param_groups")
         self._followed.append((group, source))
 
+    def _follow(self) -> None:
+        for group, source in self._followed:
+            group.update(lr=source["lr"], betas=tuple(source["betas"]), eps=source["eps"],
+                         weight_decay=source["weight_decay"])
+
+    def state_dict(self) -> dict:
+        """torch's, with every following group first given its source's hyper-parameters (as the next step will):
+        saved, a split group has its source's lr, not the one of the step before (a scheduler sets the source's
+        after the step)."""
+        self._follow()
+        return super().state_dict()
+
     @property
     def skipped_steps(self) -> int:
         """Steps skipped because a gradient was non-finite (reads a device counter: syncs)."""
@@ -148,9 +160,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
                      inv_scale: float | torch.Tensor = 1.0) -> None:
         """The two passes over prepared buckets, each with its group's hyper-parameters: what ``step`` does
         after gathering the grads. DeepSpeed's ZeRO glue calls it with buckets over its flat partitions."""
-        for group, source in self._followed:
-            group.update(lr=source["lr"], betas=tuple(source["betas"]), eps=source["eps"],
-                         weight_decay=source["weight_decay"])
+        self._follow()
         all_buckets = [b for _, buckets in per_group for b in buckets]
         self.last_skipped = None
         if not all_buckets:

@@ -195,6 +195,47 @@ trainer.train(resume_from_checkpoint=resume)
 leave()
 """
 
+# a plain accelerate script with its own AdamW (two groups) and a LambdaLR built on it before prepare (accelerate
+# keeps a torch scheduler to itself and saves it as scheduler.bin): argv[3] steps, then save_state into argv[2];
+# argv[4], when given, is loaded first. Each rank records its fp32 masters, expert-parallel rank, the scheduler's
+# state and the optimizer's group lrs after the load and after the save
+ACCELERATE_CHAIN_SCRIPT = MODEL_SNIPPET + """
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin
+from deepspeed.utils import safe_get_full_fp32_param
+
+out, steps, resume = sys.argv[2], int(sys.argv[3]), (sys.argv[4] if len(sys.argv) > 4 else None)
+accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=sys.argv[1]))
+norms = [p for n, p in model.named_parameters() if "norm" in n]
+optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "norm" not in n]},
+                               {"params": norms, "weight_decay": 0.0}], lr=1e-3)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 8)
+model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+
+def record(name):
+    ep = next(((m.ep_rank, m.ep_size) for m in model.module.modules()
+               if type(m).__name__ == "DeepSpeedExpertMaskedMoE"), (0, 1))
+    torch.save({"masters": {n: safe_get_full_fp32_param(p) for n, p in model.module.named_parameters()}, "ep": ep,
+                "step": scheduler.scheduler.last_epoch, "scheduler": scheduler.state_dict(),
+                "lrs": [g["lr"] for g in optimizer.param_groups]}, f"{out}/{name}{torch.distributed.get_rank()}.pt")
+
+
+if resume:
+    accelerator.load_state(resume)
+    record("begin")
+torch.manual_seed(1 + torch.distributed.get_rank())
+for _ in range(steps):
+    ids = torch.randint(0, 64, (2, 16))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+accelerator.save_state(out)
+record("end")
+leave()
+"""
+
 # a plain accelerate script: DeepSpeed through accelerate's plugin, the script's own AdamW and loader
 ACCELERATE_SCRIPT = MODEL_SNIPPET + """
 from accelerate import Accelerator
@@ -563,6 +604,44 @@ def test_hf_trainer_resumes_across_expert_sharding(tmp_path, accelerate_installe
             assert begin["lrs"][0][0] == pytest.approx(1e-3 * (6 - previous["step"]) / 6)
         assert not all(torch.equal(end["masters"][key], value) for key, value in begin["masters"].items())
         previous, checkpoint = end, str(out / f"checkpoint-{stop}")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_accelerate_save_and_load_state_across_expert_sharding(tmp_path, accelerate_installed, fused):
+    """accelerate's save_state / load_state with a torch LambdaLR built on the script's AdamW before prepare, on 2
+    ranks at moe.ep_size 1 -> 2 -> 1, ZeRO-2, FusedAdamWClip standing in for the AdamW or the AdamW itself (its
+    experts split into a 'moe' group: ZeRO asserted without one). The scheduler keeps one entry per script group
+    (torch zips them strictly with the optimizer it was built on) and drives the expert group through the group it
+    was split from; the expert group's lr a step behind in the saved state made the load into unsharded experts
+    refuse the disagreeing groups, and after a load the script's AdamW dicts were no longer the optimizer's, so its
+    schedule set an lr nobody read. Each load gives the saved masters bit for bit and every group the schedule's
+    lr."""
+    import torch
+
+    config = {**DS_BASE, "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": fused}}}
+    previous, checkpoint = None, None
+    for run, ep_size in enumerate([1, 2, 1]):
+        out = tmp_path / f"run{run}"
+        out.mkdir()
+        config["loongforge"]["moe"] = {"ep_size": ep_size}
+        _run_script(tmp_path, ACCELERATE_CHAIN_SCRIPT, config, str(out), "2", *([checkpoint] if checkpoint else []),
+                    ranks=2)
+        end = _trainer_records(out, "end", 2)
+        assert end["step"] == 2 * (run + 1)
+        for scheduler, lrs in zip(end["schedulers"], end["lrs"]):
+            # two entries (the script's groups) whatever the optimizer's groups; each group the scheduled lr
+            assert len(scheduler["base_lrs"]) == 2 and len(lrs) == 2 + (ep_size > 1), (scheduler, lrs)
+            assert set(lrs) == {1e-3 * (1 - end["step"] / 8)}, (scheduler, lrs)
+        if previous is not None:
+            begin = _trainer_records(out, "begin", 2)
+            assert begin["step"] == previous["step"]
+            for key, value in previous["masters"].items():
+                assert torch.equal(begin["masters"][key], value), f"run {run}: {key}"
+            for scheduler, lrs in zip(begin["schedulers"], begin["lrs"]):
+                assert scheduler == previous["schedulers"][0]
+                assert set(lrs) == {1e-3 * (1 - begin["step"] / 8)}, (scheduler, lrs)
+        previous, checkpoint = end, str(out)
 
 
 def test_library_entry_points_are_lazy():
