@@ -35,8 +35,8 @@ files) into expert-parallel layers, DeepSpeed would look for per-expert files; i
 MoE layers, the stacked experts cut to each rank's, and the optimizer state is rebuilt the same way. Without ZeRO
 only the weights load, either way (an error says so). Across expert sharding the optimizer's groups change too
 (DeepSpeed splits off expert groups only with expert-parallel layers), so an LR scheduler's per-group state is
-fitted to them (``fit_scheduler_state``): the engine's scheduler during DeepSpeed's load, and the HF Trainer's own
-``scheduler.pt`` during the Trainer's load. integrations.deepspeed_hook installs this for engines of unsharded
+fitted to them (``fit_scheduler_state``): the engine's scheduler during DeepSpeed's load, the HF Trainer's own
+``scheduler.pt`` during the Trainer's load and accelerate's ``scheduler.bin`` during its ``load_state``. integrations.deepspeed_hook installs this for engines of unsharded
 experts; an expert-parallel layer installs it when built.
 
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
@@ -284,9 +284,9 @@ def _saved_hyperparameters(saved: SavedOptimizer, lp_groups, names: dict) -> lis
     saved_groups = saved.optim(0)["base_optimizer_state"]["param_groups"]
     out = []
     for g, sources in enumerate(_saved_groups_of(saved.param_shapes, lp_groups, names)):
-        # an expert group split off a dense one follows that group's hyper-parameters, at its next step (saved
-        # between a scheduler's step and that one, by an optimizer of before the state-dict sync, it is a step
-        # behind): the dense groups' are the ones to agree
+        # an expert group split off a dense one takes that group's hyper-parameters at each step, so the dense
+        # groups' are the ones to agree (checkpoints saved before the optimizers synced split groups at saving hold
+        # them one schedule step behind)
         dense = [i for i in sources if not saved_groups[i].get("moe")]
         options = [hyper(saved_groups[i]) for i in dense or sources]
         if not options or any(o != options[0] for o in options):
@@ -420,6 +420,7 @@ def _patch_once(owner, name: str, replacement) -> None:
     original = getattr(owner, name, None)
     if original is None or getattr(original, "__loongforge_original__", None) is not None:
         return
+
     @functools.wraps(original)
     def patched(*args, **kwargs):  # a function, so that a method binds its instance
         return replacement(original, *args, **kwargs)
@@ -554,7 +555,7 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
 
     # the optimizer groups differ from the saved ones (DeepSpeed splits off expert groups only with expert-parallel
     # layers): an LR scheduler's per-group state is fitted to them, the engine's in DeepSpeed's load, the HF
-    # Trainer's (its own scheduler.pt) in the Trainer's
+    # Trainer's and accelerate's (files of their own) in their loads, which follow
     regroup = _scheduler_regroup(engine, states)
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
