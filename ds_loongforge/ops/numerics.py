@@ -440,7 +440,11 @@ def _merge(results: list[CheckResult]) -> CheckResult:
 def qkv_checks(tokens: int, hidden: int, q_out: int, kv_out: int, dtype: torch.dtype,
                device: str) -> list[CheckResult]:
     """fused_kernels.qkv (ds_loongforge.modules.qkv) against three nn.Linear in fp64: q, k, v, the input gradient
-    and each weight's gradient within 2x the three Linears' own error in ``dtype``."""
+    and each weight's gradient within 2x PyTorch's own error in ``dtype``: the larger of the three Linears' and of
+    one F.linear over the concatenated weights (the product the fused path computes, written out here). The one
+    wide GEMM gets another cuBLAS kernel than the narrow ones, which sums in another order: in fp32 on the H200 its
+    worst k element's error was 0.82-1.14x the tolerance the narrow GEMMs alone set (4 draws at c124be0; 1.00x in
+    an earlier log), so that check failed by chance."""
     from torch import nn
 
     from ds_loongforge.modules.qkv import fuse_qkv
@@ -470,11 +474,20 @@ def qkv_checks(tokens: int, hidden: int, q_out: int, kv_out: int, dtype: torch.d
         params = list(module.parameters())
         return [*outs, *_grads(outs, [x_in, *params], [g.to(cast) for g in grads])]
 
+    class OneGemm(Projections):
+        def forward(self, x):
+            linears = (self.q_proj, self.k_proj, self.v_proj)
+            y = nn.functional.linear(x, torch.cat([lin.weight for lin in linears]),
+                                     torch.cat([lin.bias for lin in linears]))
+            return y.split([q_out, kv_out, kv_out], dim=-1)
+
+    one_gemm = OneGemm()
+    one_gemm.load_state_dict(stock.state_dict())
     names = ["q", "k", "v", "dx", "dWq", "dbq", "dWk", "dbk", "dWv", "dbv"]
-    ours, eager, ref = run(fused, dtype), run(stock, dtype), run(exact, torch.float64)
+    ours, eager, wide, ref = run(fused, dtype), run(stock, dtype), run(one_gemm, dtype), run(exact, torch.float64)
     label = f"fused q/k/v {device} {str(dtype)[6:]} T={tokens} H={hidden} Q={q_out} KV={kv_out}"
-    return [CheckResult(f"{label} {n}", max_error(o, r), tolerance(max_error(e, r), r, dtype))
-            for n, o, e, r in zip(names, ours, eager, ref)]
+    return [CheckResult(f"{label} {n}", max_error(o, r), tolerance(max(max_error(e, r), max_error(w, r)), r, dtype))
+            for n, o, e, w, r in zip(names, ours, eager, wide, ref)]
 
 
 def row_strided_rope_checks(batch: int, seq: int, heads_q: int, heads_k: int, head_dim: int, dtype: torch.dtype,
