@@ -183,8 +183,8 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
             split = split_client_optimizer(client_optimizer)
             if split is not None:
                 call["optimizer"] = split
-                logger.info("[LoongForge] client optimizer: %s with its expert parameters split into %d 'moe' "
-                            "groups for ZeRO (each follows its source group's lr and other hyper-parameters)",
+                logger.info("[LoongForge] client optimizer: %s with its expert parameters in 'moe' groups of their "
+                            "own for ZeRO (%d added; each follows its source group's lr and other hyper-parameters)",
                             type(split).__name__, len(split.param_groups) - len(client_optimizer.param_groups))
         engine, optimizer, loader, scheduler = original(**call)
 
