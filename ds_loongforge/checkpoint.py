@@ -36,8 +36,9 @@ MoE layers, the stacked experts cut to each rank's, and the optimizer state is r
 only the weights load, either way (an error says so). Across expert sharding the optimizer's groups change too
 (DeepSpeed splits off expert groups only with expert-parallel layers), so an LR scheduler's per-group state is
 fitted to them (``fit_scheduler_state``): the engine's scheduler during DeepSpeed's load, the HF Trainer's own
-``scheduler.pt`` during the Trainer's load and accelerate's ``scheduler.bin`` during its ``load_state``. integrations.deepspeed_hook installs this for engines of unsharded
-experts; an expert-parallel layer installs it when built.
+``scheduler.pt`` during the Trainer's load and accelerate's ``scheduler.bin`` during its ``load_state``.
+integrations.deepspeed_hook installs this for engines of unsharded experts; an expert-parallel layer installs it
+when built.
 
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
 the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
@@ -415,18 +416,22 @@ def _fit_client_scheduler_loads() -> None:
     _patch_once(sys.modules.get("accelerate.accelerator"), "load_accelerator_state", load_accelerator_state)
 
 
-def _patch_once(owner, name: str, replacement) -> None:
-    """``owner.name`` becomes ``replacement(original, *args, **kwargs)``, unless it already is, or is missing."""
+def _patch_once(owner, name: str, replacement) -> bool:
+    """``owner.name`` (a module's function or a class's method) becomes ``replacement(original, *args,
+    **kwargs)``, carrying the original in ``_patching.ORIGINAL_ATTR``; False when it already is, or is missing."""
+    from ds_loongforge.integrations._patching import ORIGINAL_ATTR
+
     original = getattr(owner, name, None)
-    if original is None or getattr(original, "__loongforge_original__", None) is not None:
-        return
+    if original is None or getattr(original, ORIGINAL_ATTR, None) is not None:
+        return False
 
     @functools.wraps(original)
     def patched(*args, **kwargs):  # a function, so that a method binds its instance
         return replacement(original, *args, **kwargs)
 
-    patched.__loongforge_original__ = original
+    setattr(patched, ORIGINAL_ATTR, original)
     setattr(owner, name, patched)
+    return True
 
 
 def check_masters_match_weights(engine, folder: str) -> None:
@@ -627,16 +632,9 @@ def install() -> None:
     """Route ``DeepSpeedEngine.load_checkpoint`` through ``load_checkpoint`` (once per process)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    current = DeepSpeedEngine.load_checkpoint
-    if getattr(current, "__loongforge_original__", None) is not None:
-        return
-    original = current
-
-    @functools.wraps(original)
-    def patched(self, load_dir, tag=None, *args, **kwargs):
+    def load(original, self, load_dir, tag=None, *args, **kwargs):
         return load_checkpoint(original, self, load_dir, tag, *args, **kwargs)
 
-    patched.__loongforge_original__ = original
-    DeepSpeedEngine.load_checkpoint = patched
-    logger.info("[LoongForge] DeepSpeedEngine.load_checkpoint -> optimizer state across ep_size, expert layout and "
-                "world size for stacked experts (ds_loongforge.checkpoint)")
+    if _patch_once(DeepSpeedEngine, "load_checkpoint", load):
+        logger.info("[LoongForge] DeepSpeedEngine.load_checkpoint -> optimizer state across ep_size, expert layout and "
+                    "world size for stacked experts (ds_loongforge.checkpoint)")

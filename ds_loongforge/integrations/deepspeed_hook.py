@@ -36,10 +36,11 @@ import sys
 import threading
 from typing import Any
 
+from ds_loongforge.integrations._patching import ORIGINAL_ATTR as _ORIGINAL_ATTR
+
 logger = logging.getLogger("ds_loongforge")
 
 ENV_DISABLE = "LOONGFORGE_DISABLE"
-_ORIGINAL_ATTR = "__loongforge_original__"
 _reentry = threading.local()  # optim.initialize calls deepspeed.initialize: that inner call must be the stock one
 
 
