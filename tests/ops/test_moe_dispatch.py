@@ -221,16 +221,59 @@ def test_stock_rounding_is_transformers_combine(device, dtype, weights_dtype, re
         assert not torch.equal(once, expected)
 
 
+def in_order_combine(y_PH, slot_TK, weights_TK, residual_TH=None):
+    """The stock combine's contract beyond k = 2: transformers' products, added j = 0..K-1 in fp32 one at a time."""
+    products_TKH = (y_PH[slot_TK] * weights_TK.unsqueeze(-1)).float()
+    acc_TH = products_TKH[:, 0]
+    for j in range(1, products_TKH.shape[1]):
+        acc_TH = acc_TH + products_TKH[:, j]
+    out = acc_TH.to(y_PH.dtype)
+    return out if residual_TH is None else residual_TH + out
+
+
+# torch's CPU sum over a middle dimension adds K < 16 rows in order in the columns its blocks of four vectors
+# cover (multi_row_sum); the last H mod (4 x vector width) columns go through row_sum, which keeps four
+# interleaved partial sums (a0+a4, a1+a5, ...) and so adds K > 4 terms in another order. Real hidden sizes are
+# multiples of 64 (four AVX-512 vectors), where every column is in order.
+TORCH_IN_ORDER_COLUMNS = 64
+
+
+@pytest.mark.parametrize("hidden", [128, 136], ids=["h128", "h136"])
 @pytest.mark.parametrize("k", [3, 4, 8])
-def test_stock_rounding_sums_k_terms_in_order_cpu(k):
-    """Beyond k = 2 the sum's order matters: the kernels add j = 0..K-1 in order, as torch's CPU sum over k does
-    for these k (fp32 weights and 16-bit ones)."""
-    _, slot_TK, weights_TK = _routing(257, k, 16, "cpu")
-    y_PH = torch.randn(257 * k, 136, dtype=torch.bfloat16)
-    r_TH = torch.randn(257, 136, dtype=torch.bfloat16)
+def test_stock_rounding_sums_k_terms_in_order_cpu(k, hidden):
+    """Beyond k = 2 the sum's order matters: the kernels add j = 0..K-1 in order in fp32, bit for bit (fp32
+    weights and 16-bit ones). That is transformers' combine bit for bit wherever torch's CPU sum adds in order
+    (every column at H = 128, and at K <= 4); in the tail columns of H = 136 its order differs at K = 8, and the
+    two results are one bf16 ulp apart at most (1 element in about 35000 at one seed in 31)."""
+    tokens = 257
+    _, slot_TK, weights_TK = _routing(tokens, k, 16, "cpu")
+    y_PH = torch.randn(tokens * k, hidden, dtype=torch.bfloat16)
+    r_TH = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    in_order = hidden - hidden % TORCH_IN_ORDER_COLUMNS if k > 4 else hidden
     for w in (weights_TK, weights_TK.bfloat16()):
+        out = moe_unpermute(y_PH, slot_TK, w, impl="cpu", residual_TH=r_TH)
+        assert torch.equal(out, in_order_combine(y_PH, slot_TK, w, r_TH))
         expected = transformers_combine(y_PH, slot_TK, w, r_TH)
-        assert torch.equal(moe_unpermute(y_PH, slot_TK, w, impl="cpu", residual_TH=r_TH), expected)
+        assert torch.equal(out[:, :in_order], expected[:, :in_order])
+        plain = moe_unpermute(y_PH, slot_TK, w, impl="cpu")[:, in_order:]
+        torch.testing.assert_close(plain, transformers_combine(y_PH, slot_TK, w)[:, in_order:],
+                                   rtol=2.0 ** -7, atol=2.0 ** -133)  # one ulp, relative to the larger
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_stock_rounding_order_is_visible_under_cancellation(device, k):
+    """Rows built so that the order decides the result: 2**25, then K-2 ones, then -2**25, weights 1. In order,
+    each one is lost against 2**25 (an fp32 ulp of 4 there) and the sum is 0; any order that adds the ones
+    together first keeps them (the exact sum is K-2)."""
+    tokens, hidden = 5, 8
+    slot_TK = torch.arange(tokens * k, device=device).reshape(tokens, k)
+    y_TKH = torch.ones(tokens, k, hidden, dtype=torch.bfloat16, device=device)
+    y_TKH[:, 0], y_TKH[:, -1] = 2.0 ** 25, -2.0 ** 25
+    y_PH = y_TKH.reshape(tokens * k, hidden)
+    for weights_TK in (torch.ones(tokens, k, device=device), torch.ones(tokens, k, device=device).bfloat16()):
+        out = moe_unpermute(y_PH, slot_TK, weights_TK, impl=device)
+        assert torch.equal(out, torch.zeros_like(out)), out[0]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
