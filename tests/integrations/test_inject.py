@@ -382,10 +382,10 @@ def test_log_lines(caplog):
     assert "[LoongForge] fused QKV projection: 2 modules" in caplog.text
 
 
-def _expert_parallel_worker(rank: int, port: int, out_dir: str) -> None:
+def _expert_parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # the same stock model on both ranks
         stock = build("qwen2_moe").train()
@@ -410,11 +410,9 @@ def test_expert_parallel_two_ranks(tmp_path):
     """ep_size=2 over gloo: each rank holds its half of the experts, copied from the model; logits and the
     router aux loss equal the stock model's on every rank, and a rank's expert gradients are the stock
     gradients of those experts summed over both ranks' tokens (the tokens that reached them)."""
-    import torch.multiprocessing as mp
+    from tests._dist import spawn_with_deadline
 
-    from tests._dist import free_port
-
-    mp.spawn(_expert_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn_with_deadline(_expert_parallel_worker, 2, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
         assert result["replaced"] == {KIND_MOE_EP: 1, KIND_MLP: 2, KIND_RMSNORM: 5, KIND_QKV: 2, KIND_RESIDUAL: 2}

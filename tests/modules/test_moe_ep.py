@@ -7,10 +7,9 @@ rank that sends none."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ds_loongforge.modules.moe import ExpertMaskedMoE
-from tests._dist import free_port
+from tests._dist import spawn_with_deadline
 
 H, INTER, E, K = 16, 8, 8, 2
 
@@ -63,7 +62,7 @@ def test_expert_parallel_equals_single_process(world, chunks, case, tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
     skew = case == "skewed_to_rank0"
     tokens = [23, 0 if case == "rank1_sends_nothing" else 17, 31, 9]
-    mp.spawn(_worker, args=(world, free_port(), seed, skew, tokens, str(tmp_path), chunks), nprocs=world)
+    spawn_with_deadline(_worker, world, seed, skew, tokens, str(tmp_path), chunks)
 
     full = _full_model(seed, skew)
     xs, dys = _inputs(world, tokens, seed)
@@ -91,13 +90,13 @@ def test_expert_parallel_equals_single_process(world, chunks, case, tmp_path):
 
 
 def test_experts_must_divide_over_the_ep_group(tmp_path):
-    mp.spawn(_bad_divisor_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn_with_deadline(_bad_divisor_worker, 2, str(tmp_path))
     assert (tmp_path / "message.txt").read_text().startswith(
         "ExpertMaskedMoE: num_experts=3 is not divisible by the expert-parallel size 2")
 
 
-def _bad_divisor_worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _bad_divisor_worker(rank, world, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         ExpertMaskedMoE(8, 8, 3, 1, ep_group=dist.group.WORLD)
     except ValueError as err:
@@ -111,10 +110,10 @@ def _bad_divisor_worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def _buffer_worker(rank, port, seed, out_dir):
+def _buffer_worker(rank, world, port, seed, out_dir):
     import warnings
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         full = _full_model(seed, skew=False)
         tokens = [40, 40]
@@ -147,7 +146,7 @@ def _buffer_worker(rank, port, seed, out_dir):
 
 def test_receive_buffer_grows_exactly_and_stays_put_after_warmup(tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
-    mp.spawn(_buffer_worker, args=(free_port(), seed, str(tmp_path)), nprocs=2)
+    spawn_with_deadline(_buffer_worker, 2, seed, str(tmp_path))
     full = _full_model(seed, skew=False)
     xs, dys = _inputs(2, [40, 40], seed)
     grew_any, fills = False, []
@@ -201,11 +200,11 @@ def test_chunk_bounds_cover_every_local_expert_once():
             assert all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
 
 
-def _out_of_step_worker(rank, port, out_dir):
+def _out_of_step_worker(rank, world, port, out_dir):
     """Both ranks train one step; then rank 0 runs a no-grad forward (an eval or a generation on one rank) while
     rank 1 runs its next training forward: each call's exchange pairs with the other rank's, which must not pass
     silently."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         moe = ExpertMaskedMoE(H, INTER, E, K, impl="cpu", ep_group=dist.group.WORLD)
@@ -226,7 +225,7 @@ def _out_of_step_worker(rank, port, out_dir):
 
 
 def test_ranks_out_of_step_are_an_error_not_a_silent_pairing(tmp_path):
-    mp.spawn(_out_of_step_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn_with_deadline(_out_of_step_worker, 2, str(tmp_path))
     zero, one = ((tmp_path / f"message{r}.txt").read_text() for r in range(2))
     assert zero.startswith("ExpertMaskedMoE: the ranks of the expert-parallel group are out of step: rank 0 is at "
                            "this layer's call 2 (no grad), rank 1 at its call 2 (grad enabled)"), zero
