@@ -133,10 +133,13 @@ def print_report(rows: list[OpRow], env: dict[str, str]) -> None:
     print("-" * 78)
 
 
-def verify(rows: list[OpRow]) -> bool:
-    """Build every compatible op (concurrently) and check it; True when nothing failed."""
+def verify(rows: list[OpRow], seed: int | None = None) -> bool:
+    """Build every compatible op (concurrently) and check it on data drawn from ``seed`` (a fresh one when None,
+    printed so that a failure can be drawn again); True when nothing failed."""
     ok = True
-    print("verify: max error / tolerance (pass when error <= tolerance), fwd and every grad, fp64 reference")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    print("verify: max error / tolerance (pass when error <= tolerance), fwd and every grad, fp64 reference; "
+          f"seed {seed} (--verify --seed {seed} draws the same data)")
     to_build = []
     by_name = {r.name: r for r in rows}
     for builder in all_builders():
@@ -166,8 +169,10 @@ def verify(rows: list[OpRow]) -> bool:
         if not by_name[builder.NAME].runs_here:
             print(f"  {builder.NAME:<24} built; numerical check not run: no CUDA device visible")
             continue
+        torch.manual_seed(seed)  # per op: its data does not depend on which other ops were built
         checks = [(builder.NAME, check) for check in numerics.checks_for(builder.NAME, device)]
         ok = _run_checks(checks) and ok
+    torch.manual_seed(seed)
     ok = _run_checks(numerics.integration_checks("cuda" if torch.cuda.is_available() else "cpu")) and ok
     print("verify:", "PASSED" if ok else "FAILED")
     return ok
@@ -191,11 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loongforge_report", description=__doc__.splitlines()[0])
     parser.add_argument("--verify", action="store_true",
                         help="build every compatible op and check it against its reference; exit 1 on failure")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="with --verify: draw the checks' data from seed N (default: a fresh seed, printed)")
     args = parser.parse_args(argv)
+    if args.seed is not None and not args.verify:
+        parser.error(f"--seed {args.seed} only applies to --verify: add --verify, or drop --seed")
     rows = op_rows()
     print_report(rows, environment())
     if args.verify:
-        return 0 if verify(rows) else 1
+        return 0 if verify(rows, args.seed) else 1
     return 0
 
 

@@ -129,6 +129,30 @@ def test_report_verify_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_report_verify_seed_draws_the_same_data_again(monkeypatch, capsys):
+    """verify prints the seed it drew its data from; --seed N draws that data again (a failure by chance can be
+    looked at), and each op's checks draw the same data whatever else was built."""
+    monkeypatch.setattr(report.numerics, "checks_for",
+                        lambda name, device: [lambda: CheckResult(f"{name} draw={torch.rand(1).item()!r}", 0.0, 1.0)])
+    monkeypatch.setattr(report.numerics, "integration_checks", lambda device: [])
+
+    def draws(argv):
+        assert report.main(argv) == 0
+        out = capsys.readouterr().out
+        found = dict(re.findall(r"^\s+(\S+)\s+ok\s+\S+ draw=(\S+)", out, flags=re.M))
+        assert found, out
+        return out, found
+
+    fresh, fresh_draws = draws(["--verify"])
+    seed = int(re.search(r"; seed (\d+) ", fresh).group(1))
+    assert draws(["--verify", "--seed", str(seed)])[1] == fresh_draws
+    assert draws(["--verify", "--seed", str(seed + 1)])[1] != fresh_draws
+    assert len(set(fresh_draws.values())) == 1, fresh_draws  # each op starts at the seed's first draw
+    with pytest.raises(SystemExit):
+        report.main(["--seed", "3"])
+    assert "--seed 3 only applies to --verify" in capsys.readouterr().err
+
+
 def test_example_configs_parse():
     import json
     from pathlib import Path

@@ -318,6 +318,23 @@ def routing_checks(tokens: int, k: int, experts: int, device: str, impl: str,
             for name, a, b in zip(ours._fields, ours, ref)]
 
 
+def choice_errors(ids_TK: torch.Tensor, probs_TE: torch.Tensor, exact_TE: torch.Tensor) -> float:
+    """Entries of a router's top-k choices that are wrong: those that differ from a stable descending sort of its
+    own fp32 probabilities (the lowest expert first among equal values), plus those where the fp64
+    probabilities' order differs between experts whose fp32 probabilities the router holds apart. Two logits
+    an fp32 ulp apart round to one value in ``x - max`` when the max is over twice their size, and so to one
+    probability: that tie is the router's to break (lowest expert first), as it is for torch.topk over the
+    stock fp32 softmax. With N(0, 2) logits, E=64, K=8 the CPU kernel met 32 such ties among the top 9 in 8M
+    tokens, 2 of which chose against the fp64 order: a verify run of 4099 tokens failed about once in 1000 when
+    the fp64 order was the reference (once on an H100 host at 2c5e7de)."""
+    k = ids_TK.shape[-1]
+    own = torch.sort(probs_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    exact = torch.sort(exact_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen, exact_chosen = probs_TE.gather(-1, ids_TK), probs_TE.gather(-1, exact)
+    tied = (chosen == exact_chosen) | (chosen.isnan() & exact_chosen.isnan())
+    return float((ids_TK != own).sum() + ((ids_TK != exact) & ~tied).sum())
+
+
 def router_checks(tokens: int, experts: int, k: int, dtype: torch.dtype, device: str, impl: str,
                   renormalize: bool = True, grads: str = "both",
                   generator: torch.Generator | None = None) -> list[CheckResult]:
@@ -349,8 +366,7 @@ def router_checks(tokens: int, experts: int, k: int, dtype: torch.dtype, device:
     ours, ids = run(lambda xs, _: router_topk(xs, k, renormalize, impl=impl), dtype)
     ref, _ = run(through, torch.float64, ids)
     eager, _ = run(through, dtype, ids)
-    stable = torch.sort(ref[0], dim=-1, descending=True, stable=True).indices[:, :k]
-    results = [CheckResult(f"{label} ids", float((ids != stable).sum()), 0.0)]
+    results = [CheckResult(f"{label} ids", choice_errors(ids, ours[0], ref[0]), 0.0)]
     dtypes = [torch.float32, torch.float32, dtype]
     return results + [CheckResult(f"{label} {n}", max_error(o, f), tolerance(max_error(e, f), f, d))
                       for n, o, f, e, d in zip(["probs", "weights", "dlogits"], ours, ref, eager, dtypes)]

@@ -10,7 +10,7 @@ import torch
 
 from ds_loongforge.ops import router_topk, router_topk_reference
 from ds_loongforge.ops.moe_router import MAX_KERNEL_EXPERTS, MAX_KERNEL_TOP_K
-from ds_loongforge.ops.numerics import router_checks
+from ds_loongforge.ops.numerics import choice_errors, router_checks
 from tests._params import DTYPES, IMPLS, assert_checks, device_of
 
 SHAPES = [  # (T, E, K)
@@ -45,6 +45,23 @@ def test_output_dtypes_and_shapes(impl, dtype):
     assert not ids.requires_grad and weights.requires_grad
     (grad,) = torch.autograd.grad(weights[:, 0].sum(), x)
     assert grad.dtype == dtype and grad.shape == x.shape
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp32_tie_of_distinct_logits_is_the_routers_to_break(impl):
+    """2.0 and the next fp32 value above it both become -4.5 in x - 6.5 (an fp32 ulp of 4.8e-7 there), so their
+    fp32 probabilities are equal although the fp64 ones are not: choice_errors (verify's and test_matches_fp64's
+    ids check) accepts the router's lowest-expert-first order there and still counts a swapped or wrong choice."""
+    above_two = float(torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)))
+    logits = torch.tensor([[6.5, 2.0, above_two, -1.0]], device=device_of(impl))
+    probs, _, ids = router_topk(logits, 3, impl=impl)
+    exact = torch.softmax(logits.double(), dim=-1)
+    assert exact[0, 2] > exact[0, 1]
+    if impl == "cpu":  # std::exp of two equal fp32 arguments (the CUDA kernel's exp may tie or not)
+        assert probs[0, 1] == probs[0, 2] and ids.tolist() == [[0, 1, 2]]
+    assert choice_errors(ids, probs, exact) == 0
+    assert choice_errors(ids[:, [0, 2, 1]], probs, exact) == (2 if probs[0, 1] == probs[0, 2] else 4)
+    assert choice_errors(torch.tensor([[0, 1, 3]], device=ids.device), probs, exact) > 0
 
 
 @pytest.mark.parametrize("impl", IMPLS)
