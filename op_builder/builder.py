@@ -17,12 +17,14 @@ Compatibility checks never initialise CUDA, so importing a builder is always saf
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -167,39 +169,89 @@ class LoongForgeBuilderMixin:
             raise OpBuildError(self.NAME, problem, _fix_for_problem(problem))
         from torch.utils.cpp_extension import load, verify_ninja_availability
 
-        try:
-            verify_ninja_availability()
-        except RuntimeError as err:
-            raise OpBuildError(self.NAME, "ninja is not available",
-                               "install ninja (pip install ninja) and make sure `ninja --version` runs") from err
-        if self.is_cuda_op and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            import torch
+        with environment_ninja():
+            try:
+                verify_ninja_availability()
+            except RuntimeError as err:
+                raise OpBuildError(self.NAME, "ninja is not available",
+                                   "install ninja (pip install ninja) and make sure `ninja --version` runs") from err
+            if self.is_cuda_op and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+                import torch
 
-            if not torch.cuda.is_available():
-                raise OpBuildError(self.NAME, "no CUDA device is visible and TORCH_CUDA_ARCH_LIST is unset, so the "
-                                   "target GPU architecture is unknown",
-                                   "set TORCH_CUDA_ARCH_LIST to the GPU's compute capability (e.g. 9.0 for "
-                                   "H100/H200) to compile without a GPU")
-        verbose = verbose or os.environ.get("LOONGFORGE_VERBOSE_BUILD") == "1"
-        saved_jit_mode = self.jit_mode
-        self.jit_mode = True  # CUDA arch flags then come from torch (LFCUDAOpBuilder.compute_capability_args)
-        self.build_for_cpu = not self.is_cuda_op
-        try:
-            module = load(name=self.NAME,
-                          sources=self.sources(),
-                          extra_include_paths=self.include_paths(),
-                          extra_cflags=self.strip_empty_entries(self.cxx_args()),
-                          extra_cuda_cflags=self.strip_empty_entries(self.nvcc_args()) if self.is_cuda_op else [],
-                          extra_ldflags=self.strip_empty_entries(self.extra_ldflags()),
-                          with_cuda=self.is_cuda_op,
-                          verbose=verbose)
-        except (RuntimeError, OSError, subprocess.CalledProcessError, ImportError) as err:
-            output = str(err)
-            raise OpBuildError(self.NAME, f"{type(err).__name__} during the JIT build",
-                               _likely_fix(output, self.is_cuda_op), _tail(output)) from err
-        finally:
-            self.jit_mode = saved_jit_mode
-        return module
+                if not torch.cuda.is_available():
+                    raise OpBuildError(self.NAME, "no CUDA device is visible and TORCH_CUDA_ARCH_LIST is unset, so the "
+                                       "target GPU architecture is unknown",
+                                       "set TORCH_CUDA_ARCH_LIST to the GPU's compute capability (e.g. 9.0 for "
+                                       "H100/H200) to compile without a GPU")
+            verbose = verbose or os.environ.get("LOONGFORGE_VERBOSE_BUILD") == "1"
+            saved_jit_mode = self.jit_mode
+            self.jit_mode = True  # CUDA arch flags then come from torch (LFCUDAOpBuilder.compute_capability_args)
+            self.build_for_cpu = not self.is_cuda_op
+            try:
+                module = load(name=self.NAME,
+                              sources=self.sources(),
+                              extra_include_paths=self.include_paths(),
+                              extra_cflags=self.strip_empty_entries(self.cxx_args()),
+                              extra_cuda_cflags=self.strip_empty_entries(self.nvcc_args()) if self.is_cuda_op else [],
+                              extra_ldflags=self.strip_empty_entries(self.extra_ldflags()),
+                              with_cuda=self.is_cuda_op,
+                              verbose=verbose)
+            except (RuntimeError, OSError, subprocess.CalledProcessError, ImportError) as err:
+                output = str(err)
+                raise OpBuildError(self.NAME, f"{type(err).__name__} during the JIT build",
+                                   _likely_fix(output, self.is_cuda_op), _tail(output)) from err
+            finally:
+                self.jit_mode = saved_jit_mode
+            return module
+
+
+_NINJA_LOCK = threading.Lock()
+_ninja_users = 0
+_path_before_ninja: str | None = None
+
+
+def environment_ninja_dir() -> str | None:
+    """The folder of the ``ninja`` executable the ``ninja`` package installed into this Python environment, or
+    None when there is none (then torch runs whichever ``ninja`` PATH finds)."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    folder = getattr(ninja, "BIN_DIR", "") or ""
+    exe = os.path.join(folder, "ninja" + (".exe" if os.name == "nt" else ""))
+    return folder if folder and os.path.isfile(exe) and os.access(exe, os.X_OK) else None
+
+
+@contextlib.contextmanager
+def environment_ninja():
+    """Put this environment's ninja first on PATH while torch JIT-builds (torch runs ``ninja`` from PATH).
+
+    A machine often has two ninjas: the system's (1.11 here) and the ``ninja`` package's in the environment
+    (1.13). Each writes ``.ninja_log`` in its own format, and 1.13 hashes commands another way, so a build
+    folder last built by the other one counts every command as changed and is rebuilt from scratch: every op,
+    each time a process run from an activated environment (the ``deepspeed`` launcher, pytest in CI) follows
+    one that was not (``.venv/bin/python train.py``), tens of seconds per CPU op and minutes per CUDA op. With
+    one ninja per environment the cache holds. PATH is restored when the last concurrent build ends."""
+    global _ninja_users, _path_before_ninja
+    folder = environment_ninja_dir()
+    if folder is None:
+        yield
+        return
+    with _NINJA_LOCK:
+        if _ninja_users == 0:
+            _path_before_ninja = os.environ.get("PATH")
+            os.environ["PATH"] = os.pathsep.join([folder] + ([_path_before_ninja] if _path_before_ninja else []))
+        _ninja_users += 1
+    try:
+        yield
+    finally:
+        with _NINJA_LOCK:
+            _ninja_users -= 1
+            if _ninja_users == 0:
+                if _path_before_ninja is None:
+                    os.environ.pop("PATH", None)
+                else:
+                    os.environ["PATH"] = _path_before_ninja
 
 
 def _fix_for_problem(problem: str) -> str:

@@ -14,7 +14,8 @@ import torch
 import ds_loongforge
 from ds_loongforge.op_builder import (FusedRMSNormBuilder, FusedRMSNormCPUBuilder, OpBuildError, all_builders,
                                       csrc_root)
-from ds_loongforge.op_builder.builder import LFCPUOpBuilder, LoongForgeBuilderMixin
+from ds_loongforge.op_builder.builder import (LFCPUOpBuilder, LoongForgeBuilderMixin, environment_ninja,
+                                              environment_ninja_dir)
 from ds_loongforge.ops import _dispatch, fused_rmsnorm, rmsnorm_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +81,70 @@ def test_missing_ninja_says_install_ninja(tmp_path, monkeypatch):
     builder = _broken_builder(tmp_path, "")
     with pytest.raises(OpBuildError, match="install ninja"):
         builder.load()
+
+
+def test_builds_run_the_environments_ninja_and_restore_path(monkeypatch):
+    folder = environment_ninja_dir()
+    if folder is None:
+        pytest.skip("the ninja package installs no ninja executable into this environment (.ci/run installs it)")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with environment_ninja():
+        assert os.environ["PATH"].split(os.pathsep)[0] == folder
+        with environment_ninja():  # a second build at the same time (build_ops' threads) keeps it
+            pass
+        assert os.environ["PATH"].split(os.pathsep)[0] == folder
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+    monkeypatch.delenv("PATH")
+    with environment_ninja():
+        assert os.environ["PATH"] == folder
+    assert "PATH" not in os.environ
+
+
+_TINY_MODULE = textwrap.dedent("""\
+    #include <Python.h>
+    #define LF_CONCAT(a, b) a##b
+    #define LF_INIT(name) LF_CONCAT(PyInit_, name)
+    #define LF_STR(x) #x
+    #define LF_NAME(x) LF_STR(x)
+    static struct PyModuleDef lf_def = {PyModuleDef_HEAD_INIT, LF_NAME(TORCH_EXTENSION_NAME), NULL, -1, NULL};
+    PyMODINIT_FUNC LF_INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&lf_def); }
+""")
+
+_BUILD_TINY = textwrap.dedent("""\
+    import sys
+    from ds_loongforge.op_builder.builder import LFCPUOpBuilder
+
+    class Tiny(LFCPUOpBuilder):
+        NAME = "lf_test_tiny_ninja"
+        BUILD_VAR = "LF_BUILD_TEST_TINY"
+        SOURCES = (sys.argv[1],)
+
+    Tiny().load()
+""")
+
+
+def test_jit_cache_holds_whichever_ninja_path_finds_first(tmp_path):
+    """A process whose PATH finds the system's ninja first, then one whose PATH finds the environment's: the
+    second reuses the first's build. Two ninja releases (1.11 in /usr/bin, 1.13 from pip, on this machine and
+    CI's) read each other's .ninja_log as "every command changed", which rebuilt every op whenever an activated
+    environment followed an unactivated one."""
+    source = tmp_path / "tiny.c"
+    source.write_text(_TINY_MODULE)
+    ext = tmp_path / "ext"
+    env_bin = str(Path(sys.executable).parent)
+
+    def build(path):
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext), PATH=path)
+        done = subprocess.run([sys.executable, "-c", _BUILD_TINY, str(source)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        so = next(ext.glob("lf_test_tiny_ninja*/lf_test_tiny_ninja*.so"))
+        return so.stat().st_mtime_ns, (so.parent / ".ninja_log").read_text()
+
+    system_first = os.pathsep.join(["/usr/bin", "/bin", env_bin])
+    built, log = build(system_first)
+    assert build(os.pathsep.join([env_bin, system_first])) == (built, log)
+    assert build(system_first) == (built, log)
 
 
 def test_cuda_op_without_gpu_or_arch_list_names_the_fix(monkeypatch):
