@@ -866,4 +866,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from ds_loongforge.op_builder.builder import environment_ninja
+
+    # DeepSpeed JIT-builds ops of its own on the way (its CPU all-reduce, its FusedAdam): with the environment's
+    # ninja for those too, an activated run and an unactivated one share their cache (README "Install")
+    with environment_ninja():
+        main()
