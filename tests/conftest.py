@@ -9,6 +9,19 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    """The environment's ninja first on PATH for the whole run, as an activated environment has it: DeepSpeed
+    JIT-builds ops of its own in some tests (its CPU all-reduce, its FusedAdam), and a system ninja of another
+    release would rebuild them whenever a run from an activated environment came between (the README's
+    "Install" section; ours pin it in op_builder.builder.environment_ninja)."""
+    from ds_loongforge.op_builder.builder import environment_ninja_dir
+
+    folder = environment_ninja_dir()
+    path = os.environ.get("PATH", "")
+    if folder and path.split(os.pathsep)[0] != folder:
+        os.environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
