@@ -48,11 +48,12 @@ as it is after every step. A mismatch is an error on every rank, naming the para
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 
 import torch
+
+from ds_loongforge.integrations._patching import patch_once
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -411,27 +412,9 @@ def _fit_client_scheduler_loads() -> None:
                 stack.enter_context(fitting_scheduler_loads(scheduler, scheduler_regroup(scheduler)))
             return original(input_dir, models, optimizers, schedulers, *args, **kwargs)
 
-    _patch_once(getattr(sys.modules.get("transformers.trainer"), "Trainer", None), "_load_optimizer_and_scheduler",
+    patch_once(getattr(sys.modules.get("transformers.trainer"), "Trainer", None), "_load_optimizer_and_scheduler",
                 load_trainer_scheduler)
-    _patch_once(sys.modules.get("accelerate.accelerator"), "load_accelerator_state", load_accelerator_state)
-
-
-def _patch_once(owner, name: str, replacement) -> bool:
-    """``owner.name`` (a module's function or a class's method) becomes ``replacement(original, *args,
-    **kwargs)``, carrying the original in ``_patching.ORIGINAL_ATTR``; False when it already is, or is missing."""
-    from ds_loongforge.integrations._patching import ORIGINAL_ATTR
-
-    original = getattr(owner, name, None)
-    if original is None or getattr(original, ORIGINAL_ATTR, None) is not None:
-        return False
-
-    @functools.wraps(original)
-    def patched(*args, **kwargs):  # a function, so that a method binds its instance
-        return replacement(original, *args, **kwargs)
-
-    setattr(patched, ORIGINAL_ATTR, original)
-    setattr(owner, name, patched)
-    return True
+    patch_once(sys.modules.get("accelerate.accelerator"), "load_accelerator_state", load_accelerator_state)
 
 
 def check_masters_match_weights(engine, folder: str) -> None:
@@ -635,6 +618,6 @@ def install() -> None:
     def load(original, self, load_dir, tag=None, *args, **kwargs):
         return load_checkpoint(original, self, load_dir, tag, *args, **kwargs)
 
-    if _patch_once(DeepSpeedEngine, "load_checkpoint", load):
+    if patch_once(DeepSpeedEngine, "load_checkpoint", load):
         logger.info("[LoongForge] DeepSpeedEngine.load_checkpoint -> optimizer state across ep_size, expert layout and "
                     "world size for stacked experts (ds_loongforge.checkpoint)")

@@ -222,6 +222,15 @@ def environment_ninja_dir() -> str | None:
     return folder if folder and os.path.isfile(exe) and os.access(exe, os.X_OK) else None
 
 
+def path_with_environment_ninja(path: str | None) -> str | None:
+    """``path`` (a PATH value, None when unset) with this environment's ninja folder first; None when the
+    environment has no ninja of its own (PATH is then left alone)."""
+    folder = environment_ninja_dir()
+    if folder is None:
+        return None
+    return os.pathsep.join([folder, path]) if path else folder
+
+
 @contextlib.contextmanager
 def environment_ninja():
     """Put this environment's ninja first on PATH while torch JIT-builds (torch runs ``ninja`` from PATH).
@@ -233,14 +242,13 @@ def environment_ninja():
     one that was not (``.venv/bin/python train.py``), tens of seconds per CPU op and minutes per CUDA op. With
     one ninja per environment the cache holds. PATH is restored when the last concurrent build ends."""
     global _ninja_users, _path_before_ninja
-    folder = environment_ninja_dir()
-    if folder is None:
+    if environment_ninja_dir() is None:
         yield
         return
     with _NINJA_LOCK:
         if _ninja_users == 0:
             _path_before_ninja = os.environ.get("PATH")
-            os.environ["PATH"] = os.pathsep.join([folder] + ([_path_before_ninja] if _path_before_ninja else []))
+            os.environ["PATH"] = path_with_environment_ninja(_path_before_ninja)
         _ninja_users += 1
     try:
         yield

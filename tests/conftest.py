@@ -14,12 +14,11 @@ def pytest_configure(config):
     JIT-builds ops of its own in some tests (its CPU all-reduce, its FusedAdam), and a system ninja of another
     release would rebuild them whenever a run from an activated environment came between (the README's
     "Install" section; ours pin it in op_builder.builder.environment_ninja)."""
-    from ds_loongforge.op_builder.builder import environment_ninja_dir
+    from ds_loongforge.op_builder.builder import path_with_environment_ninja
 
-    folder = environment_ninja_dir()
-    path = os.environ.get("PATH", "")
-    if folder and path.split(os.pathsep)[0] != folder:
-        os.environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
+    path = path_with_environment_ninja(os.environ.get("PATH"))
+    if path is not None:
+        os.environ["PATH"] = path
 
 
 def pytest_collection_modifyitems(config, items):

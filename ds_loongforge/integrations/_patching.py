@@ -1,6 +1,7 @@
 """Process-wide replacement of a module-level function, for functions transformers' models look up in their own
 modeling module at call time (``modeling_mixtral.apply_rotary_pos_emb``, ``load_balancing_loss_func``): one
-bookkeeping for ``ds_loongforge.integrations.rope`` and ``ds_loongforge.integrations.balancing_loss``.
+bookkeeping for ``ds_loongforge.integrations.rope`` and ``ds_loongforge.integrations.balancing_loss``; and
+``patch_once`` for the wrappers that stay for the process (``deepspeed.initialize``, the checkpoint loads).
 
 A replacement carries the function it replaced in ``__loongforge_original__``; patching a module attribute that
 already holds one is a no-op (never a wrapper of a wrapper), and ``restore`` puts the originals back.
@@ -8,6 +9,7 @@ already holds one is a no-op (never a wrapper of a wrapper), and ``restore`` put
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from typing import Callable
@@ -64,6 +66,23 @@ class ModulePatches:
                     restored.append(f"{module_name}.{function_name}")
                 del self._installed[(module_name, function_name)]
         return restored
+
+
+def patch_once(owner, name: str, replacement: Callable) -> bool:
+    """``owner.name`` (a module's function or a class's method) becomes ``replacement(original, *args, **kwargs)``,
+    carrying the original in ``ORIGINAL_ATTR``; False when it already is one, or is missing (no wrapper of a
+    wrapper: the checkpoint load, the client schedulers' loads and ``deepspeed.initialize``)."""
+    current = getattr(owner, name, None)
+    if current is None or getattr(current, ORIGINAL_ATTR, None) is not None:
+        return False
+
+    @functools.wraps(current)
+    def patched(*args, **kwargs):  # a function, so that a method binds its instance
+        return replacement(current, *args, **kwargs)
+
+    setattr(patched, ORIGINAL_ATTR, current)
+    setattr(owner, name, patched)
+    return True
 
 
 def original(function: Callable) -> Callable:

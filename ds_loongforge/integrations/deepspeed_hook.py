@@ -28,7 +28,6 @@ config alone.
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import logging
 import os
@@ -36,7 +35,7 @@ import sys
 import threading
 from typing import Any
 
-from ds_loongforge.integrations._patching import ORIGINAL_ATTR as _ORIGINAL_ATTR
+from ds_loongforge.integrations._patching import ORIGINAL_ATTR as _ORIGINAL_ATTR, patch_once
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -60,16 +59,7 @@ def stock_initialize():
 
 def install(deepspeed_module) -> None:
     """Make ``deepspeed_module.initialize`` apply the loongforge block (idempotent)."""
-    original = deepspeed_module.initialize
-    if hasattr(original, _ORIGINAL_ATTR):
-        return
-
-    @functools.wraps(original)
-    def initialize(*args, **kwargs):
-        return _initialize(original, args, kwargs)
-
-    setattr(initialize, _ORIGINAL_ATTR, original)
-    deepspeed_module.initialize = initialize
+    patch_once(deepspeed_module, "initialize", lambda original, *args, **kwargs: _initialize(original, args, kwargs))
 
 
 def initialize(*args, **kwargs):
