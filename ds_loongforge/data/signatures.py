@@ -122,9 +122,15 @@ def dataset_token_ids(dataset, column: str = "input_ids") -> TokenIds:
         if column not in dataset.column_names:
             raise ValueError(f"the dataset has no token column {column!r} (columns: {dataset.column_names})")
         arrow = dataset.data.column(column).combine_chunks()
-        offsets = np.asarray(arrow.offsets, dtype=np.int64)
-        ids = np.asarray(arrow.values, dtype=np.int64)[offsets[0]:offsets[-1]]
-        return TokenIds(ids, offsets - offsets[0], f"hf:{fingerprint}")
+        if hasattr(arrow, "offsets"):  # list / large_list: variable-length samples
+            offsets = np.asarray(arrow.offsets, dtype=np.int64)
+            ids = np.asarray(arrow.values, dtype=np.int64)[offsets[0]:offsets[-1]]
+            return TokenIds(ids, offsets - offsets[0], f"hf:{fingerprint}")
+        size = getattr(arrow.type, "list_size", None)
+        if size is not None:  # fixed_size_list (a Sequence feature with a length): no offsets
+            ids = np.asarray(arrow.flatten(), dtype=np.int64)
+            return TokenIds(ids, np.arange(n + 1, dtype=np.int64) * size, f"hf:{fingerprint}")
+        raise ValueError(f"the dataset's token column {column!r} has Arrow type {arrow.type}, not a list of ids")
     pieces = [_sample_ids(dataset[i], column) for i in range(n)]
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=n)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -168,6 +174,14 @@ class RoutingWeights:
             digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
             digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
+
+
+def has_moe_router(model: nn.Module) -> bool:
+    """Whether ``model`` has a router :func:`routing_weights` can read (so routing signatures can be computed)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding is not None and any(_is_router(m, embedding.weight.shape[1]) for m in model.modules())
 
 
 def routing_weights(model: nn.Module) -> RoutingWeights:

@@ -10,9 +10,11 @@ config (a dict, a JSON path, or ``args.deepspeed_config``), before DeepSpeed bui
 2. ``inject(model, config)`` replaces RMSNorm, SwiGLU MLP and MoE modules (one log line per family and the
    modules left as they were, with the reason);
 3. parameters the caller collected before (``model_parameters``, a client optimizer's groups) are remapped to
-   the replacements' Parameters by name: injection copies MLP and expert weights into new Parameters, and an
-   optimizer holding the old ones would train tensors the model no longer uses (the HF Trainer builds its
-   optimizer before calling ``deepspeed.initialize``);
+   the replacements' Parameters by name, and an MLP's gate_proj and up_proj to the one gate_up_proj they were
+   fused into (its place is the gate's, Adam state held for both is joined row-wise): injection copies MLP and
+   expert weights into new Parameters, and an optimizer holding the old ones would train tensors the model no
+   longer uses (the HF Trainer builds its optimizer before calling ``deepspeed.initialize``); an old Parameter
+   with no replacement is an error;
 4. the optimizer is FusedAdamWClip when the config selects it (``ds_loongforge.optim.initialize``);
 5. ``training_data`` is served by ``ds_loongforge.data.build_dataloader`` (ExpertAwareSampler) when
    ``sampler.expert_aware`` is true, else by DeepSpeed's own loader;
@@ -158,6 +160,13 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     training_data = call.get("training_data")
     own_loader = training_data is not None and config.sampler.expert_aware
     if own_loader:
+        from ds_loongforge.data.signatures import has_moe_router
+
+        own_loader = has_moe_router(model)
+        if not own_loader:
+            logger.info("[LoongForge] training data: DeepSpeed's loader (%s has no MoE router, so the expert-aware "
+                        "sampler has no expert load to balance)", type(model).__name__)
+    if own_loader:
         call["training_data"] = None
 
     if isinstance(client_optimizer, FusedAdamWClip):
@@ -189,9 +198,9 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
                                   rank=rank, world_size=world_size, collate_fn=call.get("collate_fn"))
         engine.training_dataloader = loader
         logger.info("[LoongForge] training data: ExpertAwareSampler (%d batches per epoch on this rank)", len(loader))
-    elif training_data is not None:
+    elif training_data is not None and not config.sampler.expert_aware:
         logger.info("[LoongForge] training data: DeepSpeed's loader (sampler.expert_aware is false)")
-    elif config.sampler.expert_aware:
+    elif training_data is None and config.sampler.expert_aware:
         logger.info("[LoongForge] sampler: not applied (no training_data was passed to deepspeed.initialize: the "
                     "script loads its own batches, as the HF Trainer and accelerate do); "
                     "ds_loongforge.data.build_dataloader(dataset, config, model, batch_size) builds a loader with "
@@ -283,9 +292,55 @@ def _optimizer_reason(client_optimizer) -> str:
     return 'neither "optimizer": {"type": "LoongForgeAdamW"} nor loongforge.optimizer.fused_adamw_clip is set'
 
 
+class _FusedPart:
+    """Where an old Parameter went when inject fused it with others into one (FusedSwiGLUMLP: gate_proj and
+    up_proj -> gate_up_proj, rows [gate; up]): the new Parameter and the old ones in its row order."""
+
+    def __init__(self, new, parts: list):
+        self.new, self.parts = new, parts
+
+
 def _parameter_remap(before: dict, after: dict) -> dict[int, Any]:
-    """id(old Parameter) -> its replacement, matched by name (inject keeps parameter names)."""
-    return {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
+    """id(old Parameter) -> its replacement: matched by name (inject keeps parameter names), except an MLP's
+    gate_proj / up_proj weight and bias, which FusedSwiGLUMLP holds as one gate_up_proj (a :class:`_FusedPart`).
+    An old Parameter that left the model and has no replacement here is an error: an optimizer holding it would
+    train a tensor the model no longer reads, without a word."""
+    remap: dict[int, Any] = {id(old): after[name] for name, old in before.items()
+                             if name in after and after[name] is not old}
+    live = {id(p) for p in after.values()}
+    for name, old in before.items():
+        if name in after or id(old) in live or id(old) in remap:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module, _, proj = owner.rpartition(".")
+        fused = f"{module}.gate_up_proj.{leaf}" if module else f"gate_up_proj.{leaf}"
+        gate = f"{module}.gate_proj.{leaf}" if module else f"gate_proj.{leaf}"
+        up = f"{module}.up_proj.{leaf}" if module else f"up_proj.{leaf}"
+        if proj in ("gate_proj", "up_proj") and fused in after and gate in before and up in before:
+            part = _FusedPart(after[fused], [before[gate], before[up]])
+            remap[id(before[gate])] = remap[id(before[up])] = part
+            continue
+        raise RuntimeError(f"[LoongForge] inject replaced the parameter {name!r} and no parameter of the injected "
+                           "model takes its place, so an optimizer built before deepspeed.initialize would train "
+                           "a tensor the model no longer reads. Please report this with the model's class; "
+                           'meanwhile leave that module family out ("loongforge": {"fused_kernels": ...}) or build '
+                           "the optimizer after ds_loongforge.inject")
+    return remap
+
+
+def _remapped_params(params, remap: dict[int, Any], placed: set[int]) -> list:
+    """One param list with replacements swapped in; a fused Parameter goes where its first part was, once."""
+    out = []
+    for p in params:
+        new = remap.get(id(p), p)
+        if isinstance(new, _FusedPart):
+            new = new.new
+        if isinstance(remap.get(id(p)), _FusedPart):
+            if id(new) in placed:
+                continue
+            placed.add(id(new))
+        out.append(new)
+    return out
 
 
 def _remap_model_parameters(model_parameters, remap: dict[int, Any]):
@@ -293,30 +348,65 @@ def _remap_model_parameters(model_parameters, remap: dict[int, Any]):
     items = list(model_parameters)
     if not remap:
         return items
+    placed: set[int] = set()
+    if not any(isinstance(item, dict) for item in items):
+        return _remapped_params(items, remap, placed)
     out = []
     for item in items:
         if isinstance(item, dict):
             group = dict(item)
-            group["params"] = [remap.get(id(p), p) for p in _as_list(group["params"])]
+            group["params"] = _remapped_params(_as_list(group["params"]), remap, placed)
             out.append(group)
         else:
-            out.append(remap.get(id(item), item))
+            out.extend(_remapped_params([item], remap, placed))
     return out
+
+
+def _fused_state(optimizer, part: _FusedPart) -> dict | None:
+    """The optimizer state of a fused Parameter from its parts' states: tensors shaped like a part are joined
+    in the fused row order, the rest (the step count) taken from the first part. None when no part has state;
+    an error when only some have (their moments would not fit the fused rows)."""
+    import torch
+
+    states = [optimizer.state.get(p) for p in part.parts]
+    if not any(states):
+        return None
+    if not all(states):
+        raise RuntimeError("[LoongForge] client optimizer: of the MLP projections fused into one gate_up_proj, "
+                           "only some have optimizer state; build the optimizer (or load its state) after "
+                           "deepspeed.initialize")
+    merged = {}
+    for key, value in states[0].items():
+        if isinstance(value, torch.Tensor) and value.shape == part.parts[0].shape:
+            merged[key] = torch.cat([s[key] for s in states], dim=0)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _remap_optimizer(optimizer, remap: dict[int, Any]) -> int:
     """Swap replaced Parameters into ``optimizer.param_groups`` (and move their state); returns how many."""
     moved = 0
+    placed: set[int] = set()
+    parts: dict[int, _FusedPart] = {}
     for group in optimizer.param_groups:
         params = group["params"]
-        for i, param in enumerate(params):
-            new = remap.get(id(param))
-            if new is None:
+        for param in params:
+            target = remap.get(id(param))
+            if target is None:
                 continue
-            params[i] = new
-            if param in optimizer.state:
-                optimizer.state[new] = optimizer.state.pop(param)
             moved += 1
+            if isinstance(target, _FusedPart):
+                parts[id(target.new)] = target
+            elif param in optimizer.state:
+                optimizer.state[target] = optimizer.state.pop(param)
+        params[:] = _remapped_params(params, remap, placed)
+    for part in parts.values():
+        state = _fused_state(optimizer, part)
+        for old in part.parts:
+            optimizer.state.pop(old, None)
+        if state is not None:
+            optimizer.state[part.new] = state
     return moved
 
 

@@ -353,9 +353,12 @@ def _as_config(config) -> LoongForgeConfig:
     if not isinstance(config, dict):
         raise ValueError(f"inject: config must be a LoongForgeConfig, a DeepSpeed config dict or its \"loongforge\" "
                          f"block, got {type(config).__name__}")
-    if "loongforge" in config or not set(config) <= set(LoongForgeConfig.model_fields):
-        return parse_config(config)  # a DeepSpeed config (without the block: disabled)
-    return parse_config({"loongforge": config})
+    fields = set(LoongForgeConfig.model_fields)
+    # the block itself when it holds a key only the block has ("optimizer" is a DeepSpeed key too), so that a
+    # misspelt key beside it is an error naming it rather than a DeepSpeed config without the block (disabled)
+    if "loongforge" not in config and (set(config) & (fields - {"optimizer"}) or set(config) <= fields):
+        return parse_config({"loongforge": config})
+    return parse_config(config)  # a DeepSpeed config (without the block: disabled)
 
 
 def _snapshot(model: nn.Module) -> list[tuple[str, nn.Module]]:
