@@ -216,6 +216,7 @@ void adamw_update_cuda(const TableHeader& h, const at::Tensor& dev_table, const 
             }
             LF_CUDA_CHECK_LAUNCH();
         };
+        if (h.n_chunks == 0) return;  // zero-size tensors only: no update grid (an empty grid is a launch error)
         if (h.grad_dtype == kF32) launch(float{});
         else launch(P{});
     });

@@ -192,7 +192,8 @@ void adamw_apply(const at::Tensor& cpu_table, const at::Tensor& dev_table, const
                  "fused_adamw_clip: inv_scale_t must be one float32 element on the stats' device");
         inv_scale_dev = t.data_ptr<float>();
     }
-    if (h.n_chunks == 0) return;
+    if (h.n_tensors == 0) return;
+    // a bucket of zero-size tensors only (n_chunks == 0) still advances their step counts, as torch's AdamW does
     LF_ADAMW_UPDATE(h, dev_table, stats, inv_scale_dev,
                     Hyper{lr, beta1, beta2, eps, weight_decay, max_norm, clip_eps, inv_scale});
 }

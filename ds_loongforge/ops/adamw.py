@@ -24,6 +24,7 @@ reallocated). The kernels are deterministic: pass 1 reduces fixed per-block part
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Callable, Sequence
@@ -84,15 +85,17 @@ class AdamWBucket:
 
 def _check_hyper(lr: float, betas: Sequence[float], eps: float, weight_decay: float,
                  max_norm: float | None = None, where: str = "fused_adamw_clip") -> None:
-    if not (isinstance(lr, (int, float)) and lr >= 0.0):
+    """Hyper-parameters must be real numbers (Python's or NumPy's; a tensor would need a host read) in range."""
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
+    if not (real(lr) and lr >= 0.0):
         raise ValueError(f"{where}: lr must be a float >= 0, got {lr!r}")
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+    if len(betas) != 2 or not all(real(b) and 0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{where}: betas must be two floats in [0, 1), got {tuple(betas)!r}")
-    if not (isinstance(eps, (int, float)) and eps > 0.0):
+    if not (real(eps) and eps > 0.0):
         raise ValueError(f"{where}: eps must be a float > 0, got {eps!r}")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+    if not (real(weight_decay) and weight_decay >= 0.0):
         raise ValueError(f"{where}: weight_decay must be a float >= 0, got {weight_decay!r}")
-    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0.0 and math.isfinite(max_norm)):
+    if max_norm is not None and not (real(max_norm) and max_norm > 0.0 and math.isfinite(max_norm)):
         raise ValueError(f"{where}: max_norm must be None (no clipping) or a finite float > 0, got {max_norm!r}")
 
 

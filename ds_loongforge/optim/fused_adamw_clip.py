@@ -32,6 +32,21 @@ from ds_loongforge.ops.adamw import (DEFAULT_CLIP_EPS, AdamWBucket, _check_hyper
 StatsHook = Callable[[torch.Tensor], None]
 
 
+# torch.optim.AdamW options that change the update this optimizer computes: refused when set, not ignored
+_UNSUPPORTED_OPTIONS = {"amsgrad": "AMSGrad's running max of exp_avg_sq",
+                        "maximize": "a maximizing step (negate the loss instead)",
+                        "differentiable": "autograd through the step"}
+
+
+def _check_group(group: dict, where: str) -> None:
+    """A param group's hyper-parameters in range, and none of torch's AdamW options this update does not do."""
+    for key, what in _UNSUPPORTED_OPTIONS.items():
+        if group.get(key):
+            raise ValueError(f"{where}: {key}={group[key]!r} asks for {what}, which FusedAdamWClip does not do; "
+                             f"drop {key!r} (or set it False), or use torch.optim.AdamW")
+    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["max_norm"], where=where)
+
+
 class FusedAdamWClip(torch.optim.Optimizer):
     """AdamW with global-norm clipping and a non-finite step skip (see the module docstring).
 
@@ -67,11 +82,13 @@ class FusedAdamWClip(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's, with the group's hyper-parameters (its own or the defaults) checked before it joins: a
+        rejected group leaves the optimizer as it was."""
+        where = f"FusedAdamWClip param group {len(self.param_groups)}"
+        _check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, where)
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         g["betas"] = tuple(g["betas"])
-        _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["max_norm"],
-                     where=f"FusedAdamWClip param group {len(self.param_groups) - 1}")
 
     def follow_hyperparameters(self, group: dict, source: dict) -> None:
         """``group`` (one of this optimizer's) takes ``source``'s lr, betas, eps and weight decay at every step:
@@ -161,6 +178,8 @@ class FusedAdamWClip(torch.optim.Optimizer):
         """The two passes over prepared buckets, each with its group's hyper-parameters: what ``step`` does
         after gathering the grads. DeepSpeed's ZeRO glue calls it with buckets over its flat partitions."""
         self._follow()
+        for i, (group, _) in enumerate(per_group):  # every group before any update: no step half applied
+            _check_group(group, f"FusedAdamWClip param group {i}")
         all_buckets = [b for _, buckets in per_group for b in buckets]
         self.last_skipped = None
         if not all_buckets:
@@ -170,8 +189,11 @@ class FusedAdamWClip(torch.optim.Optimizer):
             self.stats_hook(stats)
         for group, buckets in per_group:
             for bucket in buckets:
-                adamw_clip_apply(bucket, stats, group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                 group["max_norm"], self.clip_eps, inv_scale, impl=self.impl)
+                max_norm = group["max_norm"]
+                adamw_clip_apply(bucket, stats, float(group["lr"]), tuple(map(float, group["betas"])),
+                                 float(group["eps"]), float(group["weight_decay"]),
+                                 None if max_norm is None else float(max_norm), self.clip_eps, inv_scale,
+                                 impl=self.impl)
         self.last_stats = stats
         self.last_grad_norm = grad_norm(stats, inv_scale)
         skipped = (stats[1] != 0).to(torch.int64)
@@ -255,8 +277,13 @@ class FusedAdamWClip(torch.optim.Optimizer):
             p = id_map[key]
             state[p] = {name: (v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else deepcopy(v))
                         for name, v in value.items()}
-            if "step" in state[p]:
-                state[p]["step"] = state[p]["step"].to(torch.float32).reshape(())
+            if "step" in state[p]:  # a number in torch < 1.12's and some other optimizers' state dicts
+                state[p]["step"] = torch.as_tensor(state[p]["step"], dtype=torch.float32,
+                                                   device=p.device).reshape(())
+        for i, sg in enumerate(saved_groups):
+            for key, value in self.defaults.items():  # torch.optim.AdamW's groups have no max_norm
+                sg.setdefault(key, value)
+            _check_group(sg, f"load_state_dict: the loaded param group {i}")
         for g, sg in zip(groups, saved_groups):  # into the same dicts: torch would put new ones in their place,
             sg["params"] = g["params"]           # and an LR scheduler built on a client optimizer whose groups
             sg["betas"] = tuple(sg["betas"])     # these are (ds_integration._client_adamw_groups) would go on

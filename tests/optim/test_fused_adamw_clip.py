@@ -403,3 +403,97 @@ def test_partition_bucket_over_gradient_pieces_equals_the_flat_gradient(impl, cl
     # zero padding both leave zeros
     for a, b in zip(flat[:4], pieces[:4]):
         assert torch.equal(a[covered:], b[covered:]) and not a[covered:].any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_group_of_zero_size_params_advances_its_step_as_torch(impl):
+    """A bucket whose tensors are all empty has no chunk to update, but its step counts advance (as torch's
+    AdamW's do); the compiled kernels returned before the counter bump."""
+    device = device_of(impl)
+    w, e = torch.nn.Parameter(torch.randn(3, device=device)), torch.nn.Parameter(torch.randn(0, device=device))
+    ours = FusedAdamWClip([{"params": [w]}, {"params": [e]}], lr=1e-2, impl=impl)
+    tw, te = _clone([w, e])
+    ref = torch.optim.AdamW([{"params": [tw]}, {"params": [te]}], lr=1e-2)
+    for _ in range(3):
+        g = torch.randn(3, device=device)
+        w.grad, e.grad = g.clone(), torch.randn(0, device=device)
+        tw.grad, te.grad = g.clone(), torch.randn(0, device=device)
+        ours.step()
+        ref.step()
+    assert float(ours.state[e]["step"]) == float(ref.state[te]["step"]) == 3.0
+    assert float(ours.state[w]["step"]) == 3.0
+    _assert_rel(w.detach(), tw.detach())
+
+
+def test_torch_adamw_state_dict_loads_and_steps_on_as_torch():
+    """load_state_dict of torch.optim.AdamW's own state dict: its groups have no max_norm (the default is taken)
+    and a step saved as a number (torch < 1.12) is accepted; the next step equals torch's."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 7))
+    ref = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        p.grad = torch.randn(5, 7)
+        ref.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = FusedAdamWClip([q], lr=0.5, impl="cpu")
+    saved = ref.state_dict()
+    ours.load_state_dict(saved)
+    assert ours.param_groups[0]["lr"] == 1e-2 and ours.param_groups[0]["max_norm"] is None
+    g = torch.randn(5, 7)
+    p.grad, q.grad = g.clone(), g.clone()
+    ref.step()
+    ours.step()
+    _assert_rel(q.detach(), p.detach())
+    old = copy.deepcopy(saved)
+    old["state"][0]["step"] = 2  # an int, as older torch saved it
+    again = FusedAdamWClip([torch.nn.Parameter(torch.randn(5, 7))], impl="cpu")
+    again.load_state_dict(old)
+    assert again.state[again.param_groups[0]["params"][0]]["step"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "maximize", "differentiable"])
+def test_adamw_options_it_does_not_compute_are_refused_not_ignored(option):
+    """AMSGrad, maximize and differentiable change the update: a group asking for one is an error (the step
+    used to run plain AdamW without a word), in the constructor, in add_param_group and in a loaded state."""
+    p, r = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=f"{option}=True"):
+        FusedAdamWClip([{"params": [p], option: True}], impl="cpu")
+    opt = FusedAdamWClip([p], impl="cpu")
+    with pytest.raises(ValueError, match=option):
+        opt.add_param_group({"params": [r], option: True})
+    assert len(opt.param_groups) == 1
+    FusedAdamWClip([{"params": [p], option: False}], impl="cpu")  # off is fine
+    saved = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], **{option: True}).state_dict()
+    with pytest.raises(ValueError, match=option):
+        FusedAdamWClip([p], impl="cpu").load_state_dict(saved)
+
+
+def test_a_rejected_param_group_leaves_the_optimizer_as_it_was():
+    p, r = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    opt = FusedAdamWClip([p], lr=1e-2, impl="cpu")
+    with pytest.raises(ValueError, match="lr must be a float >= 0, got -1.0"):
+        opt.add_param_group({"params": [r], "lr": -1.0})
+    assert [g["lr"] for g in opt.param_groups] == [1e-2]
+    p.grad = torch.randn(3)
+    opt.step()  # still steps
+    assert float(opt.state[p]["step"]) == 1.0
+
+
+def test_a_bad_hyper_parameter_in_a_later_group_changes_nothing():
+    """Every group is checked before the first update: no step half applied. NumPy numbers are numbers (a
+    scheduler computing lr with NumPy gives np.float32 / np.float64)."""
+    import numpy as np
+
+    p, r = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdamWClip([{"params": [p]}, {"params": [r]}], lr=1e-2, impl="cpu")
+    p.grad, r.grad = torch.randn(4), torch.randn(4)
+    before = [p.detach().clone(), r.detach().clone()]
+    opt.param_groups[1]["lr"] = -0.5
+    with pytest.raises(ValueError, match="param group 1: lr"):
+        opt.step()
+    assert torch.equal(p.detach(), before[0]) and torch.equal(r.detach(), before[1])
+    assert not opt.state[p] or float(opt.state[p]["step"]) == 0.0
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = np.float32(1e-2), np.float64(1e-2)
+    opt.step()
+    assert float(opt.state[p]["step"]) == float(opt.state[r]["step"]) == 1.0
+    assert not torch.equal(p.detach(), before[0])
