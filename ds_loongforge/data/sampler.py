@@ -167,9 +167,13 @@ class ExpertAwareSampler(Sampler[list[int]]):
         return self.num_global_batches
 
     def set_epoch(self, epoch: int) -> None:
-        """Like DistributedSampler.set_epoch; keeps a loaded resume point only for its own epoch."""
+        """Like DistributedSampler.set_epoch; keeps a loaded resume point only for its own epoch. Another epoch
+        ends the one in progress: a loop that takes exactly ``len(sampler)`` batches (or breaks early) never runs
+        the iterator to its end, and a state saved after this call must not carry the old epoch's position."""
         if self._resume is not None and self._resume[0] != epoch:
             self._resume = None
+        if epoch != self.epoch and self._resume is None:
+            self._epoch_start, self._epoch_versions, self._segments = None, {}, []
         self.epoch = epoch
 
     # ---- refresh -------------------------------------------------------------------------------------
@@ -337,14 +341,18 @@ class ExpertAwareSampler(Sampler[list[int]]):
         pending = self._pending.result() if isinstance(self._pending, Future) else self._pending
         self._pending = pending
         versions = dict(self._epoch_versions)
-        if in_epoch:
-            # boundaries at or after the resume point run again live: the plan the first of them applied
-            # becomes the pending one (the refreshes launched there are recomputed by the resumed run)
+        if in_epoch and self.refresh_every:
+            # boundaries at or after the resume point run again live. If the iterator has passed the first of
+            # them, what was pending at the resume point is what that boundary applied: a plan, or nothing (a
+            # boundary with nothing pending, such as the run's first, records no version); the refreshes
+            # launched there and later are recomputed by the resumed run
             cut = self._epoch_start + offset
-            later = sorted(s for s in versions if s >= cut and s != self._epoch_start)
-            if later:
-                pending = versions[later[0]]
-                versions = {s: p for s, p in versions.items() if s not in later}
+            first = cut + (-cut) % self.refresh_every
+            if first == self._epoch_start:  # the epoch's own start boundary ran before any batch of it
+                first += self.refresh_every
+            if first < self._steps:
+                pending = versions.get(first)
+                versions = {s: p for s, p in versions.items() if s < cut or s == self._epoch_start}
         return {
             "version": 1, "seed": self.seed, "epoch": self.epoch, "num_samples": self.num_samples,
             "num_replicas": self.num_replicas, "batch_size": self.batch_size, "n_clusters": self.n_clusters,

@@ -110,6 +110,8 @@ class DriftingSource:
     (7, None),   # mid-epoch, between refresh boundaries
     (10, None),  # exactly at a boundary (refresh_every=5)
     (13, 9),     # a prefetching loader pulled 13 batches, the trainer consumed 9: a boundary in between
+    (7, 4),      # pulled past the first boundary (5, where nothing was pending), consumed before it
+    (6, 5),      # consumed up to that first boundary exactly: it runs again, live, in the resumed run
     (30, None),  # the epoch finished (30 batches/epoch): resume starts the next epoch
 ])
 def test_exact_resume_with_refresh(stop_after, consumed):
@@ -134,10 +136,12 @@ def test_exact_resume_with_refresh(stop_after, consumed):
     keep = stop_after if consumed is None else consumed
     assert partial[:keep] == full[:keep]
     src = DriftingSource()
-    src.snapshots = snapshots if consumed is None else 2  # the resumed model: weights as at the checkpoint
+    # the resumed model: weights as at the checkpoint (one snapshot at construction, one per boundary before it)
+    at_checkpoint = snapshots if consumed is None else 1 + (consumed - 1) // 5
+    src.snapshots = at_checkpoint
     resumed = ExpertAwareSampler(src, 10, n_clusters=6, seed=2, refresh_every=5)
     resumed.load_state_dict(state)
-    src.snapshots = snapshots if consumed is None else 2
+    src.snapshots = at_checkpoint
     out = []
     for epoch in range(state["epoch"] + (0 if state["in_epoch"] else 1), 3):
         resumed.set_epoch(epoch)
@@ -217,6 +221,27 @@ def test_resume_at_another_world_size_deals_the_rest_of_the_epoch(worlds, stops,
         fresh = make(0, worlds[-1])
         fresh.set_epoch(1)
         assert list(sampler) == list(fresh)
+
+
+def test_set_epoch_after_an_epoch_taken_by_count_saves_the_new_epochs_start():
+    """A loop that takes exactly len(sampler) batches never runs the iterator into StopIteration; set_epoch(e + 1)
+    then ends epoch e, so a state saved there resumes epoch e + 1 from its first batch (it used to carry e's
+    position and the resumed epoch yielded nothing)."""
+    sigs, _ = planted(40)
+    sampler = ExpertAwareSampler(sigs, 4, n_clusters=2, seed=5)
+    sampler.set_epoch(0)
+    it = iter(sampler)
+    for _ in range(len(sampler)):
+        next(it)
+    sampler.set_epoch(1)
+    state = sampler.state_dict()
+    assert state["epoch"] == 1 and not state["in_epoch"]
+    reference = ExpertAwareSampler(sigs, 4, n_clusters=2, seed=5)
+    reference.set_epoch(1)
+    resumed = ExpertAwareSampler(sigs, 4, n_clusters=2, seed=5)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert list(resumed) == list(reference) and len(reference) == 10
 
 
 def test_resume_at_another_world_size_then_at_the_same_is_exact():
@@ -376,6 +401,13 @@ def test_hf_dataset_input_matches_torch_dataset(tmp_path):
     np.testing.assert_array_equal(hf_ids.offsets_N1, torch_ids.offsets_N1)
     selected = hf.select(range(10, 30))  # an indices mapping over the Arrow table
     np.testing.assert_array_equal(dataset_token_ids(selected).sample(0), rows[10])
+    # a Sequence feature with a length is a fixed_size_list column: no offsets in Arrow, the same ids
+    fixed_rows = [r[:5] for r in rows]
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=5)})
+    fixed = datasets.Dataset.from_dict({"input_ids": fixed_rows}, features=features)
+    fixed_ids = dataset_token_ids(fixed)
+    np.testing.assert_array_equal(fixed_ids.ids_T, np.concatenate(fixed_rows))
+    np.testing.assert_array_equal(fixed_ids.offsets_N1, np.arange(len(rows) + 1) * 5)
 
     model = TinyMoE()
     config = {"loongforge": {"enabled": True, "sampler": {"n_clusters": 4, "refresh_every": 0,
