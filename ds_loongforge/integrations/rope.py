@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 
 from ds_loongforge.integrations import _patching
+from ds_loongforge.ops._dispatch import refuse_double_backward
 
 logger = logging.getLogger("ds_loongforge")
 
@@ -126,6 +127,7 @@ class RowStridedRope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk):
+        refuse_double_backward("fused RoPE (Liger-Kernel's Triton kernel)")
         cos, sin = ctx.saved_tensors
         dq, dk = _liger_kernel_rope(dq, dk, cos, sin, backward=True)
         return dq, dk, None, None

@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops._dispatch import check_rounding
+from ds_loongforge.ops._dispatch import check_rounding, refuse_double_backward
 from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing,
                                             moe_permute, moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
@@ -218,8 +218,8 @@ def _grouped_mm_supported(x: torch.Tensor, w_EOI: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=64)  # asked twice per MoE layer and forward, of a few shapes
 def _grouped_mm_supported_for(device_type: str, dtype: torch.dtype, in_features: int, out_features: int,
                               compiling: bool = False) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
+    if not hasattr(F, "grouped_mm") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False  # torch's grouped GEMM takes these three (fp64 takes the per-expert loop)
     if (device_type == "cuda" or compiling) and dtype != torch.bfloat16:
         # torch's CUDA grouped GEMM is bf16-only, and so is the meta kernel torch.compile traces any device's
         # with (the CPU's eager kernel takes fp32): those take the per-expert loop
@@ -281,6 +281,7 @@ class _GroupedExpertLinear(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_PO):
+        refuse_double_backward("ExpertMaskedMoE's per-expert GEMM backward")
         x_PI, w_EOI = ctx.saved_tensors
         dx_PI, dw_EOI = expert_linear_backward(dy_PO, x_PI, w_EOI, ctx.host_counts.get(),
                                                need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
@@ -385,6 +386,7 @@ class _StartAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_passthrough):
+        refuse_double_backward("ExpertMaskedMoE's all-to-all")
         xchg = ctx.xchg
         with profiler.region("all_to_all"):
             xchg.back_work.wait()
@@ -404,6 +406,7 @@ class _WaitAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_double_backward("ExpertMaskedMoE's all-to-all")
         xchg = ctx.xchg
         grad_out = grad_out.contiguous()
         xchg.grad_in = grad_out.new_empty(sum(xchg.in_splits), *grad_out.shape[1:])
@@ -574,8 +577,12 @@ class ExpertMaskedMoE(nn.Module):
                                     host_counts, self.impl)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl,
                                 rounding=self.rounding)
-        return expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, host_counts,
+        y_PH = expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, host_counts,
                              self.impl)
+        # under torch.autocast the per-expert loop's matmuls come out in the autocast dtype (grouped_mm is not on
+        # autocast's lists): back to the input's dtype, as the family's block returns its experts' sum (and as the
+        # combine's residual and the all-to-all buffers have it), whichever path ran
+        return y_PH if y_PH.dtype == x_PH.dtype else y_PH.to(x_PH.dtype)
 
     def _use_loop(self, x_PH: torch.Tensor) -> bool:
         if self.expert_compute != "auto":

@@ -13,6 +13,8 @@ import os
 import threading
 import warnings
 
+import torch
+
 from ds_loongforge.op_builder import OpBuildError
 
 logger = logging.getLogger("ds_loongforge")
@@ -96,6 +98,16 @@ def kernel_for(op: str, builders: dict, device_type: str, impl: str):
     raise failed
 
 
+def check_rows_input(op: str, t, what: str = "x") -> None:
+    """A row op's input: a floating tensor [..., H] with H >= 1 (what torch's own kernels would reject with a
+    message that names neither the op nor the fix)."""
+    if t.dim() == 0 or t.shape[-1] == 0:
+        raise ValueError(f"{op}: {what} must be [..., hidden] with hidden >= 1, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{op}: {what} must be a floating tensor (float32, float16, bfloat16 or float64), got "
+                         f"{t.dtype}")
+
+
 def as_rows(t):
     """[..., H] as a 2-D [rows, H] view the kernels take (row stride allowed); copies only when the last
     dimension is not unit-stride or the leading dimensions cannot be merged."""
@@ -107,3 +119,17 @@ def forget_failures() -> None:
     """Retry builds that failed before (after the user fixed the environment)."""
     with _state_lock:
         _unavailable.clear()
+
+
+def refuse_double_backward(op: str) -> None:
+    """Called first in the backward of an autograd Function whose backward is a compiled kernel (or a collective):
+    what it returns carries no autograd graph. Under ``create_graph=True`` (grad mode is on inside the backward
+    exactly then) a higher-order gradient would silently lack this op's terms, or fail later with "does not
+    require grad"; ``once_differentiable`` catches only incoming gradients that require grad, not the
+    dependence of this backward on the forward's inputs. So raise here, naming the op and the way out."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: double backward (create_graph=True, e.g. a gradient penalty) through this op's "
+                           "compiled kernel is not supported: its backward builds no autograd graph, so the "
+                           "higher-order gradient would miss this op's terms. Pass impl='reference' to the op or "
+                           "module (the PyTorch reference is twice differentiable), or compute the gradient "
+                           "without create_graph")

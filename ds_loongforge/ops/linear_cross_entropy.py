@@ -40,6 +40,7 @@ import logging
 
 import torch
 
+from ds_loongforge.ops._dispatch import refuse_double_backward
 from ds_loongforge.ops.cross_entropy import accumulation_dtype, scale_by, softmax_cross_entropy_
 
 logger = logging.getLogger("ds_loongforge")
@@ -119,6 +120,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
+        refuse_double_backward("fused_linear_cross_entropy")
         grad_NV, h_NH, w_VH = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         grad_hidden = grad_weight = None

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from ds_loongforge.op_builder import MoEDispatchBuilder, MoEDispatchCPUBuilder
-from ds_loongforge.ops._dispatch import check_rounding, kernel_for
+from ds_loongforge.ops._dispatch import check_rounding, kernel_for, refuse_double_backward
 
 _BUILDERS = {"cuda": MoEDispatchBuilder, "cpu": MoEDispatchCPUBuilder}
 MAX_KERNEL_EXPERTS = 8192  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRoutingExperts (CUDA)
@@ -54,6 +54,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     """The 2-D rows as the kernels take them: a row stride is fine, elements within a row must be adjacent."""
+    if t.numel() == 0:  # autograd's gradient of an empty output may be expanded (strides 0), which
+        return t.new_empty(t.shape)  # .contiguous() leaves as it is: an empty tensor counts as contiguous
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
@@ -368,6 +370,7 @@ class _MoEPermuteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_PH):
+        refuse_double_backward("moe_permute")
         (slot_TK,) = ctx.saved_tensors
         return ctx.kernel.permute_backward(_unit_stride_rows(dx_PH), slot_TK), None, None
 
@@ -387,6 +390,7 @@ class _MoEUnpermuteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH):
+        refuse_double_backward("moe_unpermute")
         y_rows, slot_TK, weights_TK = ctx.saved_tensors
         dy_PH, dweights_TK = ctx.kernel.unpermute_backward(_unit_stride_rows(dout_TH), y_rows, slot_TK, weights_TK)
         dresidual_TH = dout_TH if ctx.needs_input_grad[3] else None  # out = residual + ...: the gradient as is

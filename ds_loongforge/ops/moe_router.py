@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_loongforge.ops._dispatch import kernel_for
+from ds_loongforge.ops._dispatch import kernel_for, refuse_double_backward
 from ds_loongforge.ops.moe_dispatch import _BUILDERS, _KERNEL_DTYPES  # the same compiled op family
 
 MAX_KERNEL_EXPERTS = 1024  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRouterExperts
@@ -59,6 +59,7 @@ class _RouterTopKFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dprobs_TE, dweights_TK, _dids):
+        refuse_double_backward("router_topk")
         probs_TE, ids_TK = ctx.saved_tensors
         if dprobs_TE is None and dweights_TK is None:
             return None, None, None, None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
-from ds_loongforge.ops._dispatch import as_rows, check_rounding, kernel_for
+from ds_loongforge.ops._dispatch import as_rows, check_rounding, check_rows_input, kernel_for, refuse_double_backward
 
 _BUILDERS = {"cuda": FusedRMSNormBuilder, "cpu": FusedRMSNormCPUBuilder}
 
@@ -71,6 +71,7 @@ class _FusedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh=None):
+        refuse_double_backward("fused_rmsnorm")
         h, rstd, weight = ctx.saved_tensors
         hidden = ctx.shape[-1]
         dres = None if dh is None else dh.reshape(-1, hidden).contiguous()
@@ -89,6 +90,7 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     or "reference". ``rounding``: "stock" (transformers' roundings) or "once" (see the module docstring).
     """
     stock = check_rounding("fused_rmsnorm", rounding)
+    check_rows_input("fused_rmsnorm", x)
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ValueError(f"fused_rmsnorm: weight shape {tuple(weight.shape)} does not match the hidden size "
                          f"{x.shape[-1]} of x {tuple(x.shape)}; weight must be [hidden]")

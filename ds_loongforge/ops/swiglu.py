@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
-from ds_loongforge.ops._dispatch import as_rows, check_rounding, kernel_for
+from ds_loongforge.ops._dispatch import as_rows, check_rounding, check_rows_input, kernel_for, refuse_double_backward
 
 _BUILDERS = {"cuda": FusedSwiGLUBuilder, "cpu": FusedSwiGLUCPUBuilder}
 _MASK32 = 0xFFFFFFFF
@@ -113,6 +113,7 @@ class _FusedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        refuse_double_backward("swiglu_dropout")
         (rows,) = ctx.saved_tensors
         p, seed, offset, kernel, shape, stock = ctx.args
         dgate_up = kernel.backward(dout.reshape(rows.shape[0], rows.shape[1] // 2).contiguous(), rows, p, seed,
@@ -134,6 +135,7 @@ def swiglu_dropout(gate_up: torch.Tensor, p: float = 0.0, seed: int | None = Non
     """
     stock = check_rounding("swiglu_dropout", rounding)
     _check_p(p)
+    check_rows_input("swiglu_dropout", gate_up, "gate_up")
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_dropout: the last dimension holds [gate | up] and must be even, "
                          f"got shape {tuple(gate_up.shape)}")

@@ -333,3 +333,62 @@ def test_expert_gemm_rows_env_picks_the_grouping_and_rejects_bad_values(monkeypa
         monkeypatch.setenv("LOONGFORGE_EXPERT_GEMM_ROWS", bad)
         with pytest.raises(ValueError, match=f"LOONGFORGE_EXPERT_GEMM_ROWS must be one of .* got {bad!r}"):
             expert_gemm_row_bucket()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_empty_batch_backs_up_through_sum(impl):
+    """T = 0 (a micro-batch or a rank without tokens) and loss = y.sum(): autograd hands the backward an expanded
+    [0, H] gradient (strides 0), which .contiguous() leaves as it is; the kernels took it for a strided row."""
+    device = "cuda" if impl == "cuda" else "cpu"
+    dtype = torch.bfloat16 if impl == "cuda" else torch.float32
+    moe = ExpertMaskedMoE(16, 8, 4, 2, impl=impl).to(device, dtype)
+    x = torch.zeros(0, 16, device=device, dtype=dtype, requires_grad=True)
+    moe(x).sum().backward()
+    assert x.grad.shape == (0, 16)
+    assert all(p.grad is not None and not p.grad.any() for p in moe.parameters())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_double_backward_through_the_kernels_is_an_error_and_the_reference_gives_it(impl):
+    """create_graph=True (a gradient penalty) through the compiled kernels' backward would silently lose the
+    MoE's terms of the second derivative: a clear error instead. The reference path is twice differentiable."""
+    device = "cuda" if impl == "cuda" else "cpu"
+    torch.manual_seed(1)
+    moe = ExpertMaskedMoE(8, 6, 3, 2, impl=impl).to(device)
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward .*impl='reference'"):
+        gx, = torch.autograd.grad(moe(x).sum(), x, create_graph=True)
+    moe.impl = "reference"
+    gx, = torch.autograd.grad(moe(x).sum(), x, create_graph=True)
+    gx.pow(2).sum().backward()
+    assert moe.experts.gate_up_proj.grad is not None and moe.experts.gate_up_proj.grad.abs().sum() > 0
+    moe.impl = impl
+    gx, = torch.autograd.grad(moe(x).sum(), x)  # without create_graph: the kernels
+    assert torch.isfinite(gx).all()
+
+
+def test_fp64_takes_the_per_expert_loop_not_grouped_mm():
+    """torch's grouped GEMM takes fp32, bf16 and fp16: fp64 layers with 16-byte rows ran into its dtype error."""
+    torch.manual_seed(0)
+    moe = ExpertMaskedMoE(8, 4, 4, 2, impl="cpu").double()
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    y = moe(x)
+    y.sum().backward()
+    assert y.dtype == torch.float64 and x.grad.dtype == torch.float64
+    with pytest.raises(ValueError, match="expert_compute='grouped_mm' is not supported for torch.float64"):
+        ExpertMaskedMoE(8, 4, 4, 2, impl="cpu", expert_compute="grouped_mm").double()(x)
+
+
+@pytest.mark.parametrize("hidden, compute", [(16, "auto"), (6, "auto"), (16, "loop")])
+def test_autocast_gives_the_inputs_dtype_on_every_expert_path(hidden, compute):
+    """Under torch.autocast the per-expert loop's matmuls come out in bf16 while grouped_mm (not on autocast's
+    lists) keeps fp32: the layer returns the input's dtype either way, as the family's block does, and a residual
+    in that dtype joins the combine (it was refused as bf16 + fp32)."""
+    torch.manual_seed(0)
+    moe = ExpertMaskedMoE(hidden, 8, 4, 2, impl="cpu", expert_compute=compute)
+    x, residual = torch.randn(10, hidden), torch.randn(10, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+        y_res = moe(x, residual=residual)
+    assert y.dtype == y_res.dtype == torch.float32
+    torch.testing.assert_close(y_res, y + residual, rtol=1e-6, atol=1e-6)

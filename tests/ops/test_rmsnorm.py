@@ -202,6 +202,24 @@ def test_rmsnorm_rejects_bad_input(impl):
         fused_rmsnorm(x.double(), torch.ones(64, device=impl, dtype=torch.float64), impl=impl)
     with pytest.raises(RuntimeError, match="weight dtype"):
         fused_rmsnorm(x.bfloat16(), torch.ones(64, device=impl, dtype=torch.float16), impl=impl)
+    with pytest.raises(ValueError, match="x must be a floating tensor .* got torch.int64"):
+        fused_rmsnorm(x.long(), torch.ones(64, device=impl), impl=impl)
+    with pytest.raises(ValueError, match=r"hidden >= 1, got shape \(4, 0\)"):
+        fused_rmsnorm(x[:, :0], torch.ones(0, device=impl), impl=impl)
+    with pytest.raises(ValueError, match=r"hidden >= 1, got shape \(\)"):
+        fused_rmsnorm(x[0, 0], torch.ones((), device=impl), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_double_backward_through_the_kernel_is_an_error(impl):
+    """The kernel's backward builds no graph: create_graph=True would lose the norm's second-order terms."""
+    x = torch.randn(4, 64, device=impl, requires_grad=True)
+    w = torch.rand(64, device=impl, requires_grad=True)
+    with pytest.raises(RuntimeError, match="fused_rmsnorm: double backward"):
+        torch.autograd.grad(fused_rmsnorm(x, w, impl=impl).pow(2).sum(), x, create_graph=True)
+    gx, = torch.autograd.grad(fused_rmsnorm(x, w, impl="reference").pow(2).sum(), x, create_graph=True)
+    gx.sum().backward()
+    assert w.grad is not None
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -156,6 +156,19 @@ def test_swiglu_rejects_bad_input(impl):
         swiglu_dropout(torch.randn(2, 7, device=impl), 0.0, impl=impl)
     with pytest.raises(ValueError, match="seed and offset"):
         swiglu_dropout(torch.randn(2, 8, device=impl), 0.1, seed=-1, impl=impl)
+    with pytest.raises(ValueError, match="gate_up must be a floating tensor .* got torch.int64"):
+        swiglu_dropout(torch.ones(2, 8, device=impl, dtype=torch.int64), impl=impl)
+    with pytest.raises(ValueError, match=r"hidden >= 1, got shape \(2, 0\)"):
+        swiglu_dropout(torch.randn(2, 0, device=impl), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_double_backward_through_the_kernel_is_an_error(impl):
+    gate_up = torch.randn(4, 16, device=impl, requires_grad=True)
+    with pytest.raises(RuntimeError, match="swiglu_dropout: double backward"):
+        torch.autograd.grad(swiglu_dropout(gate_up, impl=impl).sum(), gate_up, create_graph=True)
+    g, = torch.autograd.grad(swiglu_dropout(gate_up, impl="reference").sum(), gate_up, create_graph=True)
+    assert g.requires_grad
 
 
 @pytest.mark.parametrize("impl", IMPLS)
