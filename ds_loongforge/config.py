@@ -119,7 +119,9 @@ class SamplerConfig(_Section):
         "on the GPU competes with training: use a larger refresh_every).")
     pad_to_multiple_of: int = Field(128, ge=1, description="The collator pads each batch's length up to a multiple "
                                     "of this.")
-    seed: int = Field(0, description="Shuffling and clustering seed (the same on every rank).")
+    seed: int = Field(0, ge=0, le=2**32 - 1,
+                      description="Shuffling and clustering seed (the same on every rank), in [0, 2**32 - 1] as "
+                                  "scikit-learn's k-means takes it.")
     cache_dir: str | None = Field(None, description="Where signatures are cached (default "
                                   "$LOONGFORGE_CACHE/signatures or ~/.cache/ds_loongforge/signatures).")
 

@@ -37,6 +37,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 from types import SimpleNamespace
@@ -374,6 +375,14 @@ def export(checkpoint_dir: str, output_dir: str, tag: str | None = None, *, sour
     (``config``, else a config.json in the step's folder or in ``checkpoint_dir``, which launch/train.py
     writes) through ``save_pretrained`` after a strict key check, so ``from_pretrained(output_dir)`` loads it;
     without one as ``model.safetensors`` (sharded above ``max_shard_size``). Returns a summary."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise CheckpointExportError(f"the output {output_dir!r} is a file; give a folder (it is created)")
+    try:  # checked before the checkpoint is read: huggingface_hub parses it the way the save below will
+        from huggingface_hub import split_torch_state_dict_into_shards
+
+        split_torch_state_dict_into_shards({}, max_shard_size=max_shard_size)
+    except ValueError as error:
+        raise CheckpointExportError(f"max_shard_size={max_shard_size!r}: {error} (e.g. \"5GB\")") from None
     folder = checkpoint_folder(checkpoint_dir, tag)
     state = load_state_dict(folder, source=source)
     os.makedirs(output_dir, exist_ok=True)
@@ -404,8 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = export(args.checkpoint_dir, args.output_dir, args.tag, source=args.source, config=args.config,
                          max_shard_size=args.max_shard_size)
-    except CheckpointExportError as error:
+    except (CheckpointExportError, OSError) as error:
         print(f"loongforge_export: error: {error}", file=sys.stderr)
+        return 1
+    except (RuntimeError, pickle.UnpicklingError) as error:  # torch.load of a truncated or foreign file
+        print(f"loongforge_export: error: could not read the checkpoint in {args.checkpoint_dir!r}: "
+              f"{type(error).__name__}: {error}", file=sys.stderr)
         return 1
     print(json.dumps(summary))
     return 0

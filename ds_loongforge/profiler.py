@@ -351,7 +351,8 @@ class _Session:
 
     def totals(self) -> _Totals:
         """Cumulative figures; call after ``fold(block=True)``."""
-        window = self.clock.elapsed_ms(self.first, self.last) if self.first is not None else 0.0
+        # no closed phase yet (asked for inside the first one): an empty window
+        window = self.clock.elapsed_ms(self.first, self.last) if self.first is not None and self.last is not None else 0.0
         return _Totals(window, self.busy_ms, dict(self.phase_ms), self.steps, len(self.step_ms), dict(self.host_ms))
 
     def report(self, now: _Totals, since: _Totals | None) -> ProfileReport:

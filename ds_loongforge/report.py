@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seed is not None and not args.verify:
         parser.error(f"--seed {args.seed} only applies to --verify: add --verify, or drop --seed")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        parser.error(f"--seed must be in [0, 2**63) (torch.manual_seed's range), got {args.seed}")
     rows = op_rows()
     print_report(rows, environment())
     if args.verify:

@@ -167,12 +167,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--resume needs --save-dir (the folder holding the checkpoints)")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    for flag, value, least in (("--log-every", args.log_every, 1), ("--save-every", args.save_every, 0),
+                               ("--eval-every", args.eval_every, 0)):
+        if value < least:
+            p.error(f"{flag} must be >= {least}, got {value}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
 # --- configuration ---------------------------------------------------------------------------------------------
 
 AUTOEP_BLOCK = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
+# --data random: training sequences per epoch (or one step's, if more): fixed, not sized by --steps, so that a
+# run resumed with a larger --steps reads the same data (the e2e benchmark's 100 steps of 4 sequences fit in one
+# epoch); every rank and variant draws the same rows from --seed
+RANDOM_TRAIN_ROWS = 1024
 
 
 def load_ds_config(path: str, use_loongforge: bool | None, autoep: bool = False) -> tuple[dict, bool]:
@@ -322,12 +332,17 @@ class BatchStream:
         if consumed < 0:
             raise ValueError(f"BatchStream.state_dict: {pending} batches pending but only {self.consumed} drawn in "
                              f"epoch {self.epoch}")
-        state = {"epoch": self.epoch, "consumed": consumed}
+        state = {"epoch": self.epoch, "consumed": consumed, "num_samples": len(self.loader.dataset)}
         if self.expert_aware:
             state["sampler"] = self.loader.batch_sampler.state_dict(consumed=consumed if self._it else None)
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        saved, have = state.get("num_samples"), len(self.loader.dataset)
+        if saved is not None and saved != have:
+            raise ValueError(f"--resume: the checkpoint's data position is in a training set of {saved} sequences, "
+                             f"this run's has {have}; the epoch order would differ. Resume with the data options "
+                             "of the run that saved it (--dataset, --max-documents, --seq-len, --eval-fraction)")
         self.epoch, self.consumed, self._it = state["epoch"], state["consumed"], None
         if self.expert_aware:
             self.loader.batch_sampler.load_state_dict(state["sampler"])
@@ -594,7 +609,8 @@ def main(argv=None) -> dict:
 
     if args.data == "random":
         per_step = sequences_per_step(ds_config, world)
-        corpus = _corpus.random_tokens(model_vocab, args.seq_len, num_train=args.steps * per_step * world,
+        # a corpus that does not depend on --steps: a run resumed with more steps continues on the same data
+        corpus = _corpus.random_tokens(model_vocab, args.seq_len, num_train=max(RANDOM_TRAIN_ROWS, per_step * world),
                                        num_eval=max(1, args.eval_batches) * per_step * world, seed=args.seed)
     else:
         if args.dataset:

@@ -41,6 +41,8 @@ def test_unknown_key_names_key_and_value():
     ({"moe": {"ep_size": 2.0}}, "loongforge.moe.ep_size = 2.0"),
     ({"moe": {"aux_loss_coef": float("inf")}}, "loongforge.moe.aux_loss_coef = inf"),
     ({"moe": {"all_to_all_buffer_factor": float("nan")}}, "loongforge.moe.all_to_all_buffer_factor = nan"),
+    ({"sampler": {"seed": -1}}, "loongforge.sampler.seed = -1"),             # k-means' random_state range, checked
+    ({"sampler": {"seed": 2**32}}, "loongforge.sampler.seed = 4294967296"),  # here, not after the model is built
 ])
 def test_values_of_another_type_or_not_finite_are_errors(block, key):
     """Every field takes its own JSON type only (a string "no" is not false) and no inf/nan."""
@@ -151,6 +153,9 @@ def test_report_verify_seed_draws_the_same_data_again(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         report.main(["--seed", "3"])
     assert "--seed 3 only applies to --verify" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        report.main(["--verify", "--seed", str(2**64)])
+    assert "--seed must be in [0, 2**63)" in capsys.readouterr().err
 
 
 def test_example_configs_parse():

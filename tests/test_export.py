@@ -408,3 +408,21 @@ def test_not_a_checkpoint_and_bad_source(tmp_path, trained):
         load_state_dict(str(root / "ckpt" / "zero2_bf16_ep2"), source="fp16")
     assert main([str(tmp_path), str(tmp_path / "out")]) == 1
     assert main([str(root / "ckpt" / "zero2_bf16_ep2"), str(tmp_path / "out"), "--config", str(tmp_path)]) == 1
+
+
+def test_cli_errors_are_one_line_and_checked_before_the_checkpoint_is_read(tmp_path, trained, capsys):
+    """An output path that is a file, an unparsable --max-shard-size (said before the checkpoint is read and the
+    folder made) and an unreadable model file: `loongforge_export: error: ...` and exit status 1, no traceback."""
+    root, _ = trained
+    source = str(root / "ckpt" / "zero2_bf16_ep2")
+    (tmp_path / "a_file").write_text("x")
+    assert main([source, str(tmp_path / "a_file")]) == 1
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert main([source, str(tmp_path / "out"), "--max-shard-size", "lots"]) == 1
+    assert "max_shard_size='lots'" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    step = (broken / "latest").read_text().strip()
+    (broken / step / "mp_rank_00_model_states.pt").write_bytes(b"not a torch file")
+    assert main([str(broken), str(tmp_path / "out2")]) == 1
+    assert "loongforge_export: error: could not read the checkpoint" in capsys.readouterr().err

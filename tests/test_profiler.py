@@ -390,3 +390,13 @@ def test_region_only_session_keeps_a_bounded_backlog():
     assert len(profiler._session.pending) <= profiler.FOLD_AT_PENDING
     report = profiler.stop()
     assert report.total_ms["all_to_all"] > 0 and sum(report.shares.values()) == pytest.approx(1.0, abs=SHARE_TOLERANCE)
+
+
+def test_training_stats_inside_the_first_region_are_an_empty_window():
+    """Asked for while the first phase is still open (nothing closed yet): zero steps over an empty window, not a
+    TypeError from the window's missing end."""
+    profiler.start(device="cpu")
+    with profiler.region("forward"):
+        stats = profiler.get_training_stats()
+    assert stats["steps"] == 0 and stats["window_s"] == 0.0 and stats["tokens_per_s"] is None
+    profiler.stop()

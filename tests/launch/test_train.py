@@ -240,6 +240,46 @@ def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
     _assert_finite(resumed)
 
 
+def test_random_data_resumed_with_more_steps_continues_the_same_run(tmp_path):
+    """--data random used to size its corpus by --steps, so a run resumed with a larger --steps (how a run is
+    continued) read another dataset: the expert-aware sampler refused the state, DeepSpeed's sampler went on with
+    other batches. 2 steps, then resumed to 4, repeats the run that took 4 at once, bit for bit."""
+    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
+    config["loongforge"]["optimizer"] = {"fused_adamw_clip": True}  # exact resume (see the test above)
+    path = tmp_path / "fused_adamw_clip.json"
+    path.write_text(json.dumps(config))
+    args = ("--deepspeed_config", str(path), "--data", "random", "--log-every", "1")
+    full = _train(*args, "--steps", "4")
+    _train(*args, "--steps", "2", "--save-dir", str(tmp_path / "ckpt"))
+    resumed = _train(*args, "--steps", "4", "--save-dir", str(tmp_path / "ckpt"), "--resume")
+    assert resumed["start_step"] == 2
+    assert resumed["loss_history"] == full["loss_history"][2:], (resumed["loss_history"], full["loss_history"])
+
+
+def test_a_checkpoint_of_another_training_set_is_refused(tmp_path):
+    """The data position of a checkpoint is an epoch's order over its training set: read over another set (other
+    --max-documents, --seq-len ...) it would silently pick other samples, so it is an error naming the options."""
+    from torch.utils.data import DataLoader
+
+    stream = train.BatchStream(DataLoader(list(range(10)), batch_size=2), expert_aware=False)
+    state = stream.state_dict()
+    assert state["num_samples"] == 10
+    other = train.BatchStream(DataLoader(list(range(12)), batch_size=2), expert_aware=False)
+    with pytest.raises(ValueError, match="training set of 10 sequences, this run's has 12"):
+        other.load_state_dict(state)
+    other.load_state_dict({"epoch": 1, "consumed": 2})  # a state saved before the count was kept
+    assert (other.epoch, other.consumed) == (1, 2)
+
+
+@pytest.mark.parametrize("flag, value", [("--log-every", "0"), ("--save-every", "-1"), ("--eval-every", "-2"),
+                                         ("--threads", "0")])
+def test_bad_counts_are_errors_before_anything_runs(flag, value, capsys):
+    """--log-every 0 used to fail with a ZeroDivisionError after the model was built and a step taken."""
+    with pytest.raises(SystemExit):
+        train.parse_args(["--deepspeed_config", "ds_configs/cpu.json", flag, value])
+    assert f"{flag} must be >=" in capsys.readouterr().err
+
+
 def test_data_position_at_another_world_size_is_the_same_prefix():
     """Without the expert-aware sampler the ranks have used a prefix of the epoch's permutation; at another world
     size the position is the same prefix (rounded down when it does not split)."""
