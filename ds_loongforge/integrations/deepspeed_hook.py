@@ -79,6 +79,8 @@ def _initialize(original, args: tuple, kwargs: dict):
         return original(*args, **kwargs)
     bound = inspect.signature(original).bind(*args, **kwargs)
     call = dict(bound.arguments)
+    if _two_config_sources(call):  # DeepSpeed refuses to choose ("Not sure how to proceed"): so do we
+        return original(*args, **kwargs)
     ds_config = _resolve_config(call)
     if not isinstance(ds_config, dict) or "loongforge" not in ds_config:
         return original(*args, **kwargs)
@@ -92,6 +94,15 @@ def _initialize(original, args: tuple, kwargs: dict):
         return _initialize_enabled(original, call, ds_config, config)
     finally:
         _reentry.active = False
+
+
+def _two_config_sources(call: dict) -> bool:
+    """A config in ``args`` (--deepspeed_config) and one in the call: stock DeepSpeed raises; the enabled hook used
+    to take the call's and blank the args', so the run's config depended on whether LoongForge was on."""
+    cli_args = call.get("args")
+    in_args = cli_args is not None and any(getattr(cli_args, name, None) is not None
+                                           for name in ("deepspeed_config", "deepscale_config"))
+    return in_args and (call.get("config") is not None or call.get("config_params") is not None)
 
 
 def _resolve_config(call: dict) -> Any:

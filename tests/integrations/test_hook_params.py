@@ -112,8 +112,16 @@ class Rows(torch.utils.data.Dataset):
 def _worker(rank, world, port, out_dir):
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    import argparse
+
     import ds_loongforge
 
+    try:  # a config in args and one in the call: DeepSpeed's own refusal, not a silent choice of one
+        ds_loongforge.initialize(model=_llama(), args=argparse.Namespace(deepspeed_config="elsewhere.json"),
+                                 config={"train_micro_batch_size_per_gpu": 2, "loongforge": {"enabled": True}})
+        both = "accepted"
+    except AssertionError as error:
+        both = str(error)
     model = _llama()
     optimizer = torch.optim.AdamW(_hf_groups(model), lr=1e-2)  # built before initialize, as the HF Trainer does
     engine, optimizer, loader, _ = ds_loongforge.initialize(
@@ -125,14 +133,17 @@ def _worker(rank, world, port, out_dir):
     engine.backward(engine(**batch).loss)
     engine.step()
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    torch.save({"loader": type(loader).__name__, "trained": not torch.equal(before, fused.detach()),
+    torch.save({"both": both, "loader": type(loader).__name__, "trained": not torch.equal(before, fused.detach()),
                 "all_held": held == {id(p) for p in engine.module.parameters()}}, f"{out_dir}/rank{rank}.pt")
 
 
 def test_initialize_trains_the_fused_mlp_and_gives_a_dense_model_deepspeeds_loader(tmp_path):
     """End to end through ds_loongforge.initialize: the client optimizer trains gate_up_proj, and training_data
     with a dense model (no router: nothing for the expert-aware sampler, on by default, to balance) goes to
-    DeepSpeed's loader (it raised after the engine was built)."""
+    DeepSpeed's loader (it raised after the engine was built). A config both in args and in the call is DeepSpeed's
+    error, as without LoongForge (the hook used to pick the call's)."""
     spawn_with_deadline(_worker, 1, str(tmp_path), timeout_s=300)
     result = torch.load(tmp_path / "rank0.pt")
+    assert result.pop("both").startswith("Not sure how to proceed, we were given deepspeed configs in the deepspeed "
+                                          "arguments and deepspeed.initialize() function call"), result
     assert result == {"loader": "DeepSpeedDataLoader", "trained": True, "all_held": True}, result
