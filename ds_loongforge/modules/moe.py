@@ -536,7 +536,9 @@ class ExpertMaskedMoE(nn.Module):
 
         logits_TE, probs_TE, weights_TK, ids_TK = self.gate(x_TH)
         if self.weights_in_input_dtype and self.rounding == "stock":
-            weights_TK = weights_TK.to(x_TH.dtype)  # the family's router casts them so (its gradient flows back)
+            # the family's router casts them to its logits' dtype (its gradient flows back): the input's, or the
+            # autocast dtype under torch.autocast
+            weights_TK = weights_TK.to(logits_TE.dtype)
         order_P, slot_TK, tokens_per_expert_E, offsets_E = self._routing_indices(ids_TK)
         x_PH = moe_permute(x_TH, order_P, slot_TK, impl=self.impl)
 
@@ -547,6 +549,10 @@ class ExpertMaskedMoE(nn.Module):
                                "pass ep_group, or use moe_deepspeed.DeepSpeedExpertMaskedMoE")
         else:
             y_PH = self._experts_parallel(x_PH, tokens_per_expert_E)
+        if weights_TK.dtype not in (torch.float32, y_PH.dtype):
+            # 16-bit weights beside outputs of another dtype (a family's router under torch.autocast): fp32 holds
+            # them exactly, and the combine's fp32 products are what the stock block's promoting multiply gives
+            weights_TK = weights_TK.float()
 
         out_TH = moe_unpermute(y_PH, slot_TK, weights_TK, impl=self.impl,
                                residual_TH=None if residual is None else residual.reshape(-1, self.hidden_size),

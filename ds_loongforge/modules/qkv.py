@@ -106,6 +106,10 @@ def qkv_problem(attention: nn.Module) -> str | None:
                 f"({', '.join(str(linear.in_features) for linear in linears)}): not one input")
     if len({linear.bias is None for linear in linears}) != 1:
         return "some of q_proj, k_proj and v_proj have a bias and some do not"
+    clip = getattr(getattr(attention, "config", None), "clip_qkv", None)
+    if clip is not None:  # OLMo/OLMoE: value_states.clamp_(...) on the projections' outputs
+        return (f"the attention clamps its q/k/v projections' outputs in place (clip_qkv={clip}), which autograd "
+                "refuses on the slices of one fused product")
     return None
 
 

@@ -50,33 +50,30 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 
 class _FusedRMSNormFunction(torch.autograd.Function):
+    """Over 2-D rows [N, H]; fused_rmsnorm gives its outputs their shape outside the Function, so they are not views
+    made inside it, which autograd would not let a caller modify in place (OLMoE's attention clamps in place)."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, kernel, keep_input=False, stock=True):
-        shape = x.shape
-        x_rows = as_rows(x)
-        y, h, rstd = kernel.forward(x_rows, None if residual is None else as_rows(residual), weight, eps, stock)
-        has_residual = residual is not None
+    def forward(ctx, x_rows, weight, residual_rows, eps, kernel, keep_input=False, stock=True):
+        y, h, rstd = kernel.forward(x_rows, residual_rows, weight, eps, stock)
+        has_residual = residual_rows is not None
         ctx.save_for_backward(h if has_residual else x_rows, rstd, weight)
         ctx.kernel = kernel
         ctx.stock = stock
         ctx.has_residual = has_residual
-        ctx.shape = shape
         if has_residual:
-            return y.view(shape), h.view(shape)
+            return y, h
         if keep_input:
             # x itself: autograd returns it as a view of the input whose gradient comes back to this backward
-            return y.view(shape), x
-        return y.view(shape)
+            return y, x_rows
+        return y
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         refuse_double_backward("fused_rmsnorm")
         h, rstd, weight = ctx.saved_tensors
-        hidden = ctx.shape[-1]
-        dres = None if dh is None else dh.reshape(-1, hidden).contiguous()
-        dx, dw = ctx.kernel.backward(dy.reshape(-1, hidden).contiguous(), h, rstd, weight, dres, ctx.stock)
-        dx = dx.view(ctx.shape)
+        dres = None if dh is None else dh.contiguous()
+        dx, dw = ctx.kernel.backward(dy.contiguous(), h, rstd, weight, dres, ctx.stock)
         return dx, dw, (dx if ctx.has_residual else None), None, None, None, None
 
 
@@ -107,4 +104,10 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if kernel is None:
         y = rmsnorm_reference(x, weight, eps, residual, rounding)
         return (y, x) if keep_input else y
-    return _FusedRMSNormFunction.apply(x, weight, residual, float(eps), kernel, bool(keep_input), stock)
+    shape = x.shape
+    out = _FusedRMSNormFunction.apply(as_rows(x), weight, None if residual is None else as_rows(residual),
+                                      float(eps), kernel, bool(keep_input), stock)
+    shaped = lambda t: t if t.shape == shape else t.reshape(shape)  # noqa: E731  (a view: rows of x's shape)
+    if isinstance(out, tuple):
+        return shaped(out[0]), shaped(out[1])
+    return shaped(out)

@@ -102,23 +102,22 @@ def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offse
 
 
 class _FusedSwiGLUFunction(torch.autograd.Function):
+    """Over 2-D rows; swiglu_dropout shapes the output outside the Function (a view made inside one could not be
+    modified in place by the caller)."""
 
     @staticmethod
-    def forward(ctx, gate_up, p, seed, offset, kernel, stock):
-        rows = as_rows(gate_up)
+    def forward(ctx, rows, p, seed, offset, kernel, stock):
         out = kernel.forward(rows, p, seed, offset, stock)
         ctx.save_for_backward(rows)
-        ctx.args = (p, seed, offset, kernel, gate_up.shape, stock)
-        return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        ctx.args = (p, seed, offset, kernel, stock)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         refuse_double_backward("swiglu_dropout")
         (rows,) = ctx.saved_tensors
-        p, seed, offset, kernel, shape, stock = ctx.args
-        dgate_up = kernel.backward(dout.reshape(rows.shape[0], rows.shape[1] // 2).contiguous(), rows, p, seed,
-                                   offset, stock)
-        return dgate_up.view(shape), None, None, None, None, None
+        p, seed, offset, kernel, stock = ctx.args
+        return kernel.backward(dout.contiguous(), rows, p, seed, offset, stock), None, None, None, None, None
 
 
 def draw_seed() -> int:
@@ -148,4 +147,5 @@ def swiglu_dropout(gate_up: torch.Tensor, p: float = 0.0, seed: int | None = Non
         kernel = kernel_for("swiglu_dropout", _BUILDERS, gate_up.device.type, impl)
     if kernel is None:
         return swiglu_reference(gate_up, p, seed, offset, rounding)
-    return _FusedSwiGLUFunction.apply(gate_up, float(p), int(seed), int(offset), kernel, stock)
+    out = _FusedSwiGLUFunction.apply(as_rows(gate_up), float(p), int(seed), int(offset), kernel, stock)
+    return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

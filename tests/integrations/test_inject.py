@@ -139,6 +139,52 @@ def test_injected_model_matches_stock(family):
     assert compared >= len(stock_params) - 2 * FAMILIES[family][3].get(KIND_MLP, 0)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fp32_model_under_autocast_computes_the_stock_loss(family):
+    """An fp32 model under torch.autocast (bf16), as a plain or HF Trainer bf16 run without DeepSpeed's bf16 has
+    it: the attention output is bf16 and the residual stream fp32 (the fused add fell back to stock's promoting
+    add; it raised), DeepSeek-V3's kept router returns bf16 weights beside fp32 expert outputs (the combine raised),
+    and the Qwen/OLMoE routers round their weights to the logits' dtype, bf16 (inject rounded to fp32's). Training
+    loss and eval logits equal stock's, the gradients within the tolerance of the bf16 autocast."""
+    stock = build(family).train()
+    injected = copy.deepcopy(stock)
+    inject(injected, ENABLED)
+    ids = token_ids(stock, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, out = run(stock, ids), run(injected, ids)
+    assert out.loss.dtype == ref.loss.dtype
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-3, atol=1e-3)
+    stock.eval()
+    injected.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(injected(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-2, atol=1e-2)
+    grads = dict(stock.named_parameters())
+    for name, param in injected.named_parameters():
+        if name in grads:
+            scale = grads[name].grad.abs().max().item()
+            torch.testing.assert_close(param.grad, grads[name].grad, rtol=0.1, atol=0.1 * scale + 1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+def test_olmoe_with_clip_qkv_trains_as_stock():
+    """OLMoE clamps its q/k/v (after the q/k norms) in place when clip_qkv is set: the fused norm's outputs are no
+    longer views made inside its autograd Function (which autograd refuses to modify in place), and q/k/v of one
+    fused product (slices of one split) are not fused there, said in the report."""
+    config_cls, model_cls, kwargs, _ = FAMILIES["olmoe"]
+    config = getattr(transformers, config_cls)(**{**COMMON, **kwargs, "clip_qkv": 0.5})
+    stock = getattr(transformers, model_cls)(config).float().train()
+    injected = copy.deepcopy(stock)
+    report = inject(injected, ENABLED)
+    assert KIND_QKV not in report.replaced and report.replaced[KIND_RMSNORM] == 9
+    assert any("clip_qkv=0.5" in why for _, why in report.not_replaced), report.not_replaced
+    ids = token_ids(stock, (2, 12))
+    ref, out = run(stock, ids), run(injected, ids)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=MOE_RTOL, atol=ATOL)
+    layer = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(dict(injected.named_parameters())[layer].grad, dict(stock.named_parameters())[layer].grad,
+                               rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])  # the two with shared experts and extra keys
 def test_state_dict_round_trip(family):
     stock = build(family).eval()

@@ -247,3 +247,21 @@ def test_rmsnorm_empty_input():
     assert y.shape == (0, 64)
     dx, dw = torch.autograd.grad(y.sum(), (x, w))
     assert dx.shape == (0, 64) and torch.equal(dw, torch.zeros(64))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_outputs_may_be_modified_in_place(impl):
+    """The outputs are no views made inside the autograd Function (autograd refuses in-place ops on those: OLMoE's
+    attention clamps its q/k norms' outputs in place); the gradient then equals the reference's."""
+    x = torch.randn(2, 3, 64, device=impl)
+    w = torch.rand(64, device=impl)
+    residual = torch.randn(2, 3, 64, device=impl)
+    grads = []
+    for which in (impl, "reference"):
+        xs, ws, rs = (t.clone().requires_grad_() for t in (x, w, residual))
+        y, h = fused_rmsnorm(xs, ws, residual=rs, impl=which)
+        y.clamp_(-0.5, 0.5)
+        (y.sum() + h.pow(2).sum()).backward()
+        grads.append((xs.grad, ws.grad, rs.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

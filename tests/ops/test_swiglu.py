@@ -309,3 +309,16 @@ def test_bad_rounding_is_an_error_naming_it(impl):
         swiglu_dropout(gate_up.bfloat16(), 0.0, impl=impl, rounding="Stock")
     with pytest.raises(ValueError, match="swiglu_reference: rounding=None"):
         swiglu_reference(gate_up, rounding=None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_output_may_be_modified_in_place(impl):
+    gate_up = torch.randn(2, 3, 16, device=impl)
+    grads = []
+    for which in (impl, "reference"):
+        g = gate_up.clone().requires_grad_()
+        out = swiglu_dropout(g, impl=which)
+        out.clamp_(-0.2, 0.2)
+        out.sum().backward()
+        grads.append(g.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
