@@ -67,8 +67,9 @@ class ReceiveBuffer:
 
     Capacity starts at ceil(factor * pairs / ep_size) rows. During the first ``warmup_steps`` forwards it
     grows silently to what a step needs and records the peak; at the end of warm-up it is resized once
-    to that peak plus ``growth`` headroom. After warm-up a step that needs more grows it by ``growth``
-    (at least to the need) with one warning. Rows beyond a step's need are never read.
+    to that peak plus ``growth`` headroom (whatever ``factor`` gave: the factor sizes warm-up only). After
+    warm-up a step that needs more grows it by ``growth`` (at least to the need) with one warning. Rows
+    beyond a step's need are never read. Warm-up counts forwards (eval and recomputed ones too).
     """
 
     def __init__(self, factor: float = 1.2, warmup_steps: int = 500, growth: float = 0.2):
@@ -91,9 +92,10 @@ class ReceiveBuffer:
         return 0 if self.buffer is None else self.buffer.shape[0]
 
     def _allocate(self, rows: int, like: torch.Tensor, calibration: bool = False) -> None:
+        first = self.buffer is None  # the first allocation is no reallocation (buffer_warmup_steps=0 included)
         self.buffer = like.new_empty(rows, *like.shape[1:])
         self.reallocations += 1
-        if self.steps > self.warmup_steps and not calibration:
+        if self.steps > self.warmup_steps and not calibration and not first:
             self.reallocations_after_warmup += 1
 
     def take(self, rows: int, pairs: int, ep_size: int, like: torch.Tensor) -> torch.Tensor:
@@ -111,8 +113,9 @@ class ReceiveBuffer:
             grown = max(rows, math.ceil(self.capacity * (1 + self.growth)))
             if self.steps > self.warmup_steps and not self._warned:
                 message = (f"[LoongForge] expert-parallel receive buffer grew from {self.capacity} to {grown} rows "
-                           f"(a step needed {rows}); raise all_to_all_buffer_factor or buffer_warmup_steps to "
-                           "size it up front")
+                           f"(a step needed {rows}) after warm-up sized it to its peak of {self.peak_rows} rows plus "
+                           f"{self.growth:.0%}: raise moe.buffer_growth, or let warm-up (moe.buffer_warmup_steps, "
+                           "counted in forwards) see the largest batches, eval included")
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
                 logger.warning(message)
                 self._warned = True

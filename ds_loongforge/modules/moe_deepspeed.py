@@ -184,6 +184,7 @@ class DeepSpeedExpertMaskedMoE(ExpertMaskedMoE):
             param.group_name = experts.expert_group_name
             param.loongforge_stacked_experts = True
         _install_expert_parallel_grad_norm()
+        _install_gathered_16bit_save()
         checkpoint.install()  # the optimizer state across ep_size, expert layout and world size
         if dist.is_initialized():
             self._bind(expert_parallel_group(ep_size, use_data_before_expert_parallel, adopt_existing=True))
@@ -304,6 +305,55 @@ def _unfused_unscale_and_clip_grads(optimizer: FP16_UnfusedOptimizer, total_norm
     total_norm = float((total_norm**2 + _expert_sum_of_squares(params)).sqrt())
     optimizer._global_grad_norm = total_norm
     return _deepspeed_unfused_unscale_and_clip_grads(optimizer, total_norm, apply_scale)
+
+
+def gathered_module_state_dict(engine, exclude_frozen_parameters: bool = False) -> dict:
+    """``engine.module_state_dict`` with each expert-parallel layer's stacked experts all-gathered over its
+    expert-parallel group, in expert order (rank r of the group holds experts [r * E/ep, (r + 1) * E/ep)): the whole
+    model under transformers' keys, every rank the same. A collective: every rank calls it."""
+    state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+    for name, layer in engine.module.named_modules():
+        if not (isinstance(layer, DeepSpeedExpertMaskedMoE) and layer.ep_size > 1 and layer.ep_group is not None):
+            continue
+        for param_name in EXPERT_PARAM_NAMES:
+            key = f"{name}.experts.{param_name}" if name else f"experts.{param_name}"
+            if key not in state:  # excluded as frozen
+                continue
+            local = state[key].detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(layer.ep_size)]
+            dist.all_gather(parts, local, group=layer.ep_group)
+            state[key] = torch.cat(parts)
+    return state
+
+
+def _save_16bit_model(original, engine, save_dir, save_filename="pytorch_model.bin",
+                      exclude_frozen_parameters=False):
+    """DeepSpeedEngine.save_16bit_model, whose ZeRO-1/2 path saves rank 0's ``module_state_dict``: under expert
+    parallelism that held rank 0's experts only ([E/ep, ...] where the model has [E, ...]), which a stock model
+    refuses on its size, returned True and said nothing. The experts are gathered first (every rank calls
+    save_16bit_model, as DeepSpeed requires)."""
+    sharded = any(isinstance(m, DeepSpeedExpertMaskedMoE) and m.ep_size > 1 for m in engine.module.modules())
+    if not sharded or engine.zero_optimization_partition_weights():
+        return original(engine, save_dir, save_filename, exclude_frozen_parameters)
+    state = gathered_module_state_dict(engine, exclude_frozen_parameters)
+    had = "module_state_dict" in engine.__dict__
+    previous = engine.__dict__.get("module_state_dict")
+    engine.module_state_dict = lambda *args, **kwargs: state
+    try:
+        return original(engine, save_dir, save_filename, exclude_frozen_parameters)
+    finally:
+        if had:
+            engine.module_state_dict = previous
+        else:
+            del engine.module_state_dict
+
+
+def _install_gathered_16bit_save() -> None:
+    from ds_loongforge.integrations._patching import patch_once
+
+    if patch_once(DeepSpeedEngine, "save_16bit_model", _save_16bit_model):
+        logger.info("[LoongForge] DeepSpeedEngine.save_16bit_model -> expert-parallel experts gathered into the saved "
+                    "model (ds_loongforge.modules.moe_deepspeed)")
 
 
 def _install_expert_parallel_grad_norm() -> None:

@@ -312,6 +312,10 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
         if getattr(zero, flag, None):
             raise NotImplementedError(f"FusedAdamWClip under ZeRO with {flag} is not supported")
     _device_loss_scaler(zero)
+    # ZeRO's own clip pass stays off (its step is replaced below), but its clip_grad is what DeepSpeed saves in
+    # every optimizer file and restores over the config on load: 0 there would resume a run with DeepSpeed's
+    # optimizer and clipping silently off
+    zero.clip_grad = float(optimizer.defaults.get("max_norm") or 0.0)
     optimizer.stats_hook = _world_all_reduce
     _single_process_shortcuts(zero, optimizer)
     zero.step = _fused_zero_step.__get__(zero)
@@ -409,7 +413,10 @@ class DeviceLossScaler:
 
     It stands in for ZeRO's ``loss_scaler``: ``loss_scale`` / ``cur_scale`` are a float32 device scalar,
     ``scale_loss``/``backward`` multiply by it, ``inverse()`` is what the fused step reads, and
-    ``update(stats)`` follows each step. It pickles into DeepSpeed checkpoints with its state."""
+    ``update(stats)`` follows each step. It pickles (into DeepSpeed checkpoints, through deepcopy) as DeepSpeed's own
+    DynamicLossScaler in its current state, so a checkpoint resumes with DeepSpeed's optimizer too (whose step calls
+    ``update_scale``, which this class has not) and loads where ds_loongforge is not installed; the fused step turns
+    it back into a device twin (``_device_loss_scaler``)."""
 
     dynamic = True
 
@@ -427,6 +434,16 @@ class DeviceLossScaler:
         self._hysteresis = torch.tensor(self.delayed_shift, **i64)
         self._iter = torch.tensor(0, **i64)
         self._last_overflow = torch.tensor(-1, **i64)
+
+    def __reduce__(self):
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+        # four host reads, once per save
+        state = {"cur_scale": float(self._scale), "cur_hysteresis": int(self._hysteresis),
+                 "cur_iter": int(self._iter), "last_overflow_iter": int(self._last_overflow),
+                 "scale_factor": self.scale_factor}
+        return (DynamicLossScaler, (float(self._scale), self.scale_window, self.min_scale, self.delayed_shift,
+                                    self.consecutive_hysteresis), state)
 
     @classmethod
     def like(cls, scaler, device=None) -> "DeviceLossScaler":

@@ -551,3 +551,27 @@ def test_checkpoint_round_trip_bitwise_and_across_ep_sizes(tmp_path):
     block = MixtralSparseMoeBlock(cfg)
     block.load_state_dict(results[0]["ep1"]["moe_state"], strict=True)
     assert torch.equal(block.experts.gate_up_proj, full["moe.experts.gate_up_proj"])
+
+
+def _save_16bit_worker(rank, world, port, seed, out_dir):
+    _setup_env(rank, world, port)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    reference = _reference(seed)
+    net = _deepspeed_net(reference, ep_size=2, ep_rank=rank)
+    engine, *_ = deepspeed.initialize(model=net, config=_config(2, optimizer=True, dtype="bf16"),
+                                      model_parameters=net.parameters())
+    assert engine.save_16bit_model(out_dir) is True
+    torch.distributed.barrier()
+
+
+def test_save_16bit_model_under_expert_parallelism_holds_every_expert(tmp_path):
+    """DeepSpeed's save_16bit_model writes rank 0's module_state_dict: under expert parallelism that was rank 0's
+    experts only, [E/ep, ...], which the model refuses on its size. The experts are gathered now, in expert order:
+    the file loads into the unsharded model and equals the reference's weights in bf16."""
+    _spawn(_save_16bit_worker, 2, 11, str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    reference = _reference(11)
+    assert saved["moe.experts.gate_up_proj"].shape == reference.moe.experts.gate_up_proj.shape
+    reference.to(torch.bfloat16).load_state_dict(saved, strict=True)
+    for name, value in _reference(11).state_dict().items():
+        assert torch.equal(saved[name], value.to(torch.bfloat16)), name

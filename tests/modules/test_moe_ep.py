@@ -232,3 +232,28 @@ def test_ranks_out_of_step_are_an_error_not_a_silent_pairing(tmp_path):
     assert one.startswith("ExpertMaskedMoE: the ranks of the expert-parallel group are out of step: rank 1 is at "
                           "this layer's call 2 (grad enabled), rank 0 at its call 2 (no grad)"), one
     assert "synced_gpus=True" in zero
+
+
+def test_receive_buffer_calibrates_to_the_warmup_peak_and_says_what_to_raise():
+    """At the end of warm-up the buffer is the peak plus growth, whatever factor sized warm-up with; a later larger
+    step grows it once with a warning that names the knobs that act after calibration (buffer_growth, warm-up),
+    not the factor. The first allocation is never a reallocation after warm-up (buffer_warmup_steps=0 too)."""
+    import warnings
+
+    from ds_loongforge.modules.moe import ReceiveBuffer
+
+    like = torch.empty(1, 4)
+    for factor in (1.2, 100.0):
+        buf = ReceiveBuffer(factor=factor, warmup_steps=3, growth=0.25)
+        for rows in (30, 40, 35):
+            buf.take(rows, pairs=64, ep_size=2, like=like)
+        buf.take(20, pairs=64, ep_size=2, like=like)  # the first step after warm-up calibrates
+        assert buf.capacity == 50 and buf.reallocations_after_warmup == 0, (factor, buf.capacity)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            buf.take(70, pairs=64, ep_size=2, like=like)
+        assert buf.capacity == 70 and buf.reallocations_after_warmup == 1
+        assert "raise moe.buffer_growth" in str(caught[0].message) and "buffer_factor" not in str(caught[0].message)
+    buf = ReceiveBuffer(warmup_steps=0)
+    buf.take(10, pairs=64, ep_size=2, like=like)
+    assert buf.reallocations == 1 and buf.reallocations_after_warmup == 0

@@ -98,6 +98,10 @@ def _worker(rank, world, port, seed, out_dir):
         assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.gradient_clipping() == 0.0
         assert engine.zero_optimization_stage() == (1 if run == (0, True) else stage)
         if engine.zero_optimization_stage() > 0:
+            # what ZeRO saves in every optimizer file and restores over the config on load: the optimizer's
+            # max_norm, not the 0 DeepSpeed runs with (a resume with DeepSpeed's optimizer lost clipping)
+            assert engine.optimizer.state_dict()["clip_grad"] == CLIP
+        if engine.zero_optimization_stage() > 0:
             zero = engine.optimizer
             assert zero.gradient_average == (world > 1), "the division by 1 is skipped only in one process"
             assert (engine.basic_optimizer.stats_hook is None) == (world == 1)
@@ -320,20 +324,30 @@ def test_device_loss_scaler_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
 
 
 def test_device_loss_scaler_survives_a_checkpoint_round_trip(tmp_path):
-    """DeepSpeed pickles the scaler into the ZeRO checkpoint and may load it onto the CPU: the state comes
-    back exactly, and ``to`` puts it on the step's device."""
+    """DeepSpeed pickles the scaler into the ZeRO checkpoint: it is saved as DeepSpeed's own DynamicLossScaler in
+    the same state, so the checkpoint resumes with DeepSpeed's optimizer too (whose step calls update_scale; the
+    pickled device scaler had none: AttributeError at the first step) and loads without ds_loongforge; the fused
+    step's device twin of it (``like``) has the state back exactly, on the step's device."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
     from ds_loongforge.optim.ds_integration import DeviceLossScaler
 
-    scaler = DeviceLossScaler(init_scale=2.0**12, scale_window=2, delayed_shift=2)
+    scaler = DeviceLossScaler(init_scale=2.0**12, scale_window=2, delayed_shift=2, consecutive_hysteresis=True)
     for overflow in (0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0):
         scaler.update(torch.tensor([1.0, overflow]))
     torch.save({"loss_scaler": scaler}, tmp_path / "ckpt.pt")
     loaded = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=False)["loss_scaler"]
-    assert loaded.to("cpu") is loaded
-    assert float(loaded.cur_scale) == float(scaler.cur_scale) and loaded.cur_iter == scaler.cur_iter == 7
-    assert loaded.cur_hysteresis == scaler.cur_hysteresis
+    assert type(loaded) is DynamicLossScaler and loaded.dynamic
+    assert loaded.cur_scale == float(scaler.cur_scale) and loaded.cur_iter == scaler.cur_iter == 7
+    assert loaded.cur_hysteresis == scaler.cur_hysteresis and loaded.last_overflow_iter == 6
+    assert (loaded.scale_window, loaded.min_scale, loaded.delayed_shift, loaded.consecutive_hysteresis) == (
+        2, 1.0, 2, True)
+    assert callable(loaded.update_scale)  # what DeepSpeed's own step calls
+    again = DeviceLossScaler.like(loaded)
+    assert (float(again.cur_scale), again.cur_iter, again.cur_hysteresis) == (
+        float(scaler.cur_scale), scaler.cur_iter, scaler.cur_hysteresis)
     if torch.cuda.is_available():
-        assert loaded.to("cuda").cur_scale.device.type == "cuda"
+        assert DeviceLossScaler.like(loaded, device="cuda").cur_scale.device.type == "cuda"
 
 
 IN_PLACE_RUNS = [(1, False, False), (1, True, False), (2, False, False), (2, True, False), (2, True, True)]
