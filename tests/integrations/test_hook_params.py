@@ -147,3 +147,19 @@ def test_initialize_trains_the_fused_mlp_and_gives_a_dense_model_deepspeeds_load
     assert result.pop("both").startswith("Not sure how to proceed, we were given deepspeed configs in the deepspeed "
                                           "arguments and deepspeed.initialize() function call"), result
     assert result == {"loader": "DeepSpeedDataLoader", "trained": True, "all_held": True}, result
+
+
+def test_every_familys_injected_parameters_replace_the_collected_ones():
+    """For each supported family: an AdamW over the stock model's Parameters holds exactly the injected model's
+    after the remap (no family renames a Parameter the remap cannot place)."""
+    from tests.integrations.test_inject import ENABLED, FAMILIES, build
+
+    for family in FAMILIES:
+        model = build(family)
+        before = dict(model.named_parameters())
+        optimizer = torch.optim.AdamW(list(before.values()))
+        inject(model, ENABLED)
+        deepspeed_hook._remap_optimizer(optimizer,
+                                        deepspeed_hook._parameter_remap(before, dict(model.named_parameters())))
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        assert sorted(_ids(held)) == sorted(_ids(model.parameters())), family
