@@ -314,8 +314,9 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     _device_loss_scaler(zero)
     # ZeRO's own clip pass stays off (its step is replaced below), but its clip_grad is what DeepSpeed saves in
     # every optimizer file and restores over the config on load: 0 there would resume a run with DeepSpeed's
-    # optimizer and clipping silently off
-    zero.clip_grad = float(optimizer.defaults.get("max_norm") or 0.0)
+    # optimizer and clipping silently off (not with "compute_grad_norm": false, whose load refuses a clip_grad > 0)
+    if getattr(zero, "compute_grad_norm", True):
+        zero.clip_grad = float(optimizer.defaults.get("max_norm") or 0.0)
     optimizer.stats_hook = _world_all_reduce
     _single_process_shortcuts(zero, optimizer)
     zero.step = _fused_zero_step.__get__(zero)
