@@ -31,7 +31,9 @@ cannot be checked without a host sync: like torch's own CUDA loss it trips a dev
 or ``gather`` of the reference) on CUDA and raises "out of bounds" (RuntimeError) on CPU.
 
 Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``nn.Linear`` would (the gradient buffer is kept
-in that dtype); gradients come back in the dtypes of ``hidden`` and ``weight``.
+in that dtype); gradients come back in the dtypes of ``hidden`` and ``weight``. fp16 keeps the [N, V] gradient
+buffer in fp32 (twice its bytes) until backward multiplies it by the incoming gradient (a loss scale): stored in
+fp16 before that, (softmax - onehot) / n_valid flushed small probabilities to 0 that the unfused path keeps.
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
             # (needs_input_grad is set under torch.no_grad too: the caller passes the grad mode)
             need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-            grad_NV = torch.empty(n_rows, vocab, dtype=compute_dtype, device=h_NH.device) if need_grad else None
+            # fp16 keeps the gradient in fp32 until the backward has its incoming scale (a loss scale of 2^16, say):
+            # (softmax - onehot) / n_valid in fp16 would flush every probability below ~2^-24 * n_valid to 0, where
+            # the unfused path scales in fp32 first and rounds once (bf16 has fp32's range: its own dtype)
+            grad_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
+            grad_NV = torch.empty(n_rows, vocab, dtype=grad_dtype, device=h_NH.device) if need_grad else None
             loss = torch.zeros((), dtype=acc, device=h_NH.device)
             for start in range(0, n_rows, chunk_rows):
                 rows = slice(start, min(n_rows, start + chunk_rows))
@@ -125,6 +131,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         grad_hidden = grad_weight = None
         with torch.autocast(h_NH.device.type, enabled=False):
+            if grad_NV.dtype != h_NH.dtype:  # fp16: scaled in fp32, rounded once, then the GEMMs as unfused
+                scaled_NV = torch.empty_like(grad_NV, dtype=h_NH.dtype)
+                torch.mul(grad_NV, grad_loss.to(grad_NV.dtype), out=scaled_NV)
+                if ctx.needs_input_grad[0]:
+                    grad_hidden = torch.mm(scaled_NV, w_VH).to(hidden_dtype)
+                if ctx.needs_input_grad[1]:
+                    grad_weight = torch.mm(scaled_NV.t(), h_NH).to(weight_dtype)
+                return grad_hidden, grad_weight, None, None, None, None, None, None, None
             if ctx.needs_input_grad[0]:
                 grad_hidden = scale_by(torch.mm(grad_NV, w_VH), grad_loss, in_place=True).to(hidden_dtype)
             if ctx.needs_input_grad[1]:

@@ -101,6 +101,8 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     kernel = None
     if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
+    if kernel is not None and not weight.is_contiguous():  # the kernels read it as one vector (a strided view of
+        weight = weight.contiguous()                      # a bigger tensor, say); its gradient flows back through
     if kernel is None:
         y = rmsnorm_reference(x, weight, eps, residual, rounding)
         return (y, x) if keep_input else y

@@ -86,6 +86,12 @@ class FusedAdamWClip(torch.optim.Optimizer):
         rejected group leaves the optimizer as it was."""
         where = f"FusedAdamWClip param group {len(self.param_groups)}"
         _check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, where)
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a generator is read once: as a list, in the same dict
+            param_group["params"] = params = list(params)  # (torch does so too; a client's scheduler holds it)
+        if isinstance(params, list) and len({id(p) for p in params}) != len(params):
+            # torch only warns (an error in its future); the fused step would update it twice with one step count
+            raise ValueError(f"{where}: a parameter appears more than once in the group; list each once")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         g["betas"] = tuple(g["betas"])

@@ -279,3 +279,27 @@ def test_backward_scales_in_fp32_on_the_smaller_operand(device, dtype, scale, ro
         assert torch.equal(got, want)
         if dtype == torch.bfloat16:
             assert not torch.equal(got, torch.mm(grad.t(), h) * torch.tensor(scale, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("device", IMPLS)
+def test_fp16_small_probabilities_survive_a_loss_scale(device):
+    """fp16 under a loss scale of 2^16 (DeepSpeed's fp16): vocab rows whose probabilities are ~1e-7 had an exactly
+    zero weight gradient, because (softmax - onehot) / n_valid was stored in fp16 before backward brought the scale;
+    the unfused path scales in fp32 first. The gradient buffer stays fp32 until then: equal to the unfused path's."""
+    torch.manual_seed(0)
+    n, hidden, vocab = 64, 16, 128
+    h = torch.randn(n, hidden)
+    h[:, 0] = 4.0
+    w = torch.randn(vocab, hidden) * 0.5
+    w[:8, 0] = -3.0  # rows 0..7: logits near -12 for every token
+    labels = torch.randint(8, vocab, (n,))
+    h, w, labels = h.half().to(device), w.half().to(device), labels.to(device)
+    grads = {}
+    for name, fn in (("fused", linear_cross_entropy), ("unfused", linear_cross_entropy_reference)):
+        hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+        (fn(hs, ws, labels) * 2.0**16).backward()
+        grads[name] = (hs.grad, ws.grad)
+    assert grads["unfused"][1][:8].abs().sum() > 0
+    assert (grads["fused"][1][:8] != 0).float().mean() > 0.9
+    for got, want in zip(grads["fused"], grads["unfused"]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())

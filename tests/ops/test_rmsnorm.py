@@ -265,3 +265,17 @@ def test_outputs_may_be_modified_in_place(impl):
         grads.append((xs.grad, ws.grad, rs.grad))
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_strided_weight_is_read_as_the_reference_reads_it(impl):
+    x = torch.randn(5, 9, device=impl, requires_grad=True)
+    base = torch.rand(18, device=impl, requires_grad=True)
+    y = fused_rmsnorm(x, base[::2], impl=impl)
+    y.sum().backward()
+    want_x, want_base = x.grad.clone(), base.grad.clone()
+    x.grad = base.grad = None
+    fused_rmsnorm(x, base[::2], impl="reference").sum().backward()
+    torch.testing.assert_close(want_x, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(want_base, base.grad, rtol=1e-5, atol=1e-6)
+    assert not base.grad[1::2].any()

@@ -497,3 +497,12 @@ def test_a_bad_hyper_parameter_in_a_later_group_changes_nothing():
     opt.step()
     assert float(opt.state[p]["step"]) == float(opt.state[r]["step"]) == 1.0
     assert not torch.equal(p.detach(), before[0])
+
+
+def test_a_parameter_listed_twice_in_a_group_is_an_error():
+    """torch only warns; the fused CPU step updated it twice with the first step count (3.4e-3 off torch's)."""
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="param group 0: a parameter appears more than once"):
+        FusedAdamWClip([p, p], impl="cpu")
+    opt = FusedAdamWClip(iter([p]), impl="cpu")  # a generator is read once and kept as the group's list
+    assert opt.param_groups[0]["params"] == [p]
