@@ -10,7 +10,7 @@ import difflib
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -142,6 +142,13 @@ class ProfilerConfig(_Section):
     report_every: int = Field(0, ge=0, description="Log the report of every this many optimizer steps through the "
                               "ds_loongforge logger (waits for the device once per report; 0 = only on demand: "
                               "profiler.stop() / profiler.get_training_stats()).")
+
+    @model_validator(mode="after")
+    def _report_needs_the_profiler(self):
+        if self.report_every and not self.enabled:
+            raise ValueError(f"report_every={self.report_every} reports nothing while enabled is false: set "
+                             "\"enabled\": true to profile, or drop report_every")
+        return self
 
 
 class LoongForgeConfig(_Section):

@@ -284,6 +284,8 @@ def test_profiler_config_section():
     assert cfg.profiler.enabled and cfg.profiler.report_every == 50
     with pytest.raises(LoongForgeConfigError, match=r"loongforge\.profiler\.every = 100: unknown key; .*report_every"):
         parse_config({"loongforge": {"profiler": {"enabled": True, "every": 100}}})
+    with pytest.raises(LoongForgeConfigError, match=r"report_every=5 reports nothing while enabled is false"):
+        parse_config({"loongforge": {"profiler": {"report_every": 5}}})  # a report asked for, never made
     with pytest.raises(LoongForgeConfigError, match=r"loongforge\.profiler\.report_every = -1"):
         parse_config({"loongforge": {"profiler": {"report_every": -1}}})
 

@@ -235,6 +235,10 @@ def _inject(model: nn.Module, config) -> InjectionReport:
         if name.endswith(_LOOKALIKE_SUFFIXES):
             report.not_replaced.append((path, f"{name}: no preset covers this class (presets: {known})"))
     report.families = sorted(families)
+    if config.moe.ep_size > 1 and not any(isinstance(m, ExpertMaskedMoE) for m in model.modules()):
+        note = (f"moe.ep_size={config.moe.ep_size} has no effect: {type(model).__name__} has no MoE block replaced "
+                "here (every rank holds the whole model, as with ep_size 1)")
+        report.notes.append(note)
 
     for line in report.summary().splitlines():
         logger.info(line)

@@ -163,3 +163,9 @@ def test_every_familys_injected_parameters_replace_the_collected_ones():
                                         deepspeed_hook._parameter_remap(before, dict(model.named_parameters())))
         held = [p for g in optimizer.param_groups for p in g["params"]]
         assert sorted(_ids(held)) == sorted(_ids(model.parameters())), family
+
+
+def test_expert_parallelism_on_a_model_without_moe_is_said():
+    report = inject(_llama(), {"enabled": True, "moe": {"ep_size": 2}})
+    assert any("moe.ep_size=2 has no effect: LlamaForCausalLM has no MoE block" in note for note in report.notes)
+    assert "[LoongForge] note: moe.ep_size=2 has no effect" in report.summary()
