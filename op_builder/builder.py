@@ -242,13 +242,12 @@ def environment_ninja():
     one that was not (``.venv/bin/python train.py``), tens of seconds per CPU op and minutes per CUDA op. With
     one ninja per environment the cache holds. PATH is restored when the last concurrent build ends."""
     global _ninja_users, _path_before_ninja
-    if environment_ninja_dir() is None:
-        yield
-        return
     with _NINJA_LOCK:
         if _ninja_users == 0:
             _path_before_ninja = os.environ.get("PATH")
-            os.environ["PATH"] = path_with_environment_ninja(_path_before_ninja)
+            pinned = path_with_environment_ninja(_path_before_ninja)  # None: no ninja of its own, PATH as it is
+            if pinned is not None:
+                os.environ["PATH"] = pinned
         _ninja_users += 1
     try:
         yield

@@ -176,25 +176,29 @@ class RoutingWeights:
         return digest.hexdigest()
 
 
-def has_moe_router(model: nn.Module) -> bool:
-    """Whether ``model`` has a router :func:`routing_weights` can read (so routing signatures can be computed)."""
+def _embedding_and_routers(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """The input embedding (None if there is none) and the router modules whose weight is [E, its width]."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embedding is None:
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return embedding is not None and any(_is_router(m, embedding.weight.shape[1]) for m in model.modules())
+    if embedding is None:
+        return None, []
+    return embedding, [m for m in model.modules() if _is_router(m, embedding.weight.shape[1])]
+
+
+def has_moe_router(model: nn.Module) -> bool:
+    """Whether ``model`` has a router :func:`routing_weights` can read (so routing signatures can be computed)."""
+    return bool(_embedding_and_routers(model)[1])
 
 
 def routing_weights(model: nn.Module) -> RoutingWeights:
     """Snapshot the input embedding and the router of every MoE layer (ExpertMaskedMoE's ``gate``, or any
     router module with a ``weight`` [E, H], ``top_k`` and ``num_experts``, like transformers' Mixtral)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embedding is None:
-        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    embedding, routers = _embedding_and_routers(model)
     if embedding is None:
         raise ValueError(f"{type(model).__name__} has no input embedding (nn.Embedding); routing signatures "
                          "need one")
     hidden = embedding.weight.shape[1]
-    routers = [m for m in model.modules() if _is_router(m, hidden)]
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router (a module with weight [E, {hidden}], top_k "
                          "and num_experts); routing signatures need an MoE model")

@@ -343,14 +343,13 @@ def _remapped_params(params, remap: dict[int, Any], placed: set[int]) -> list:
     """One param list with replacements swapped in; a fused Parameter goes where its first part was, once."""
     out = []
     for p in params:
-        new = remap.get(id(p), p)
-        if isinstance(new, _FusedPart):
-            new = new.new
-        if isinstance(remap.get(id(p)), _FusedPart):
-            if id(new) in placed:
+        target = remap.get(id(p), p)
+        if isinstance(target, _FusedPart):
+            if id(target.new) in placed:
                 continue
-            placed.add(id(new))
-        out.append(new)
+            placed.add(id(target.new))
+            target = target.new
+        out.append(target)
     return out
 
 
@@ -360,8 +359,6 @@ def _remap_model_parameters(model_parameters, remap: dict[int, Any]):
     if not remap:
         return items
     placed: set[int] = set()
-    if not any(isinstance(item, dict) for item in items):
-        return _remapped_params(items, remap, placed)
     out = []
     for item in items:
         if isinstance(item, dict):

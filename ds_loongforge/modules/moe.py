@@ -282,7 +282,6 @@ class _GroupedExpertLinear(torch.autograd.Function):
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy_PO):
         refuse_double_backward("ExpertMaskedMoE's per-expert GEMM backward")
         x_PI, w_EOI = ctx.saved_tensors

@@ -71,11 +71,6 @@ class FusedRMSNorm(nn.Module):
         return fused
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, keep_input: bool = False):
-        if residual is not None and residual.dtype != hidden_states.dtype:
-            # under torch.autocast a decoder layer's attention output is in the autocast dtype and its residual
-            # stream is not: the stock layer's residual + hidden_states promotes, and so does this (unfused) add
-            hidden_states = residual + hidden_states
-            return self(hidden_states), hidden_states
         return fused_rmsnorm(hidden_states, self.weight, self.variance_epsilon, residual=residual, impl=self.impl,
                              keep_input=keep_input, rounding=self.rounding)
 

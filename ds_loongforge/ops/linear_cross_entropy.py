@@ -124,7 +124,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         refuse_double_backward("fused_linear_cross_entropy")
         grad_NV, h_NH, w_VH = ctx.saved_tensors

@@ -57,7 +57,6 @@ class _RouterTopKFunction(torch.autograd.Function):
         return probs_TE, weights_TK, ids_TK
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dprobs_TE, dweights_TK, _dids):
         refuse_double_backward("router_topk")
         probs_TE, ids_TK = ctx.saved_tensors

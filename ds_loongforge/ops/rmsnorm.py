@@ -98,6 +98,11 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if keep_input and residual is not None:
         raise ValueError("fused_rmsnorm: keep_input=True returns (y, x) and takes no residual; with a residual "
                          "the op returns (y, x + residual) already")
+    if residual is not None and residual.dtype != x.dtype:
+        # as the unfused x + residual (and the reference) promote: under torch.autocast a decoder layer's attention
+        # output is in the autocast dtype and its residual stream is not. The add then runs on its own
+        h = x + residual
+        return fused_rmsnorm(h, weight, eps, impl=impl, rounding=rounding), h
     kernel = None
     if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
