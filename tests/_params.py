@@ -44,10 +44,11 @@ def min_topk_gap(logits: list[torch.Tensor], k: int) -> float:
 
 
 def draw_without_router_near_tie(draw: Callable[[], torch.Tensor],
-                                 router_logits: Callable[[torch.Tensor], list[torch.Tensor]], k: int) -> torch.Tensor:
-    """``draw()`` again until the router logits of what it drew have no top-k gap below MIN_ROUTER_GAP."""
+                                 router_logits: Callable[[torch.Tensor], list[torch.Tensor]], k: int,
+                                 gap: float = MIN_ROUTER_GAP) -> torch.Tensor:
+    """``draw()`` again until the router logits of what it drew have no top-k gap below ``gap``."""
     for _ in range(100):
         x = draw()
-        if min_topk_gap(router_logits(x), k) >= MIN_ROUTER_GAP:
+        if min_topk_gap(router_logits(x), k) >= gap:
             return x
-    raise AssertionError(f"100 draws all had a router near-tie below {MIN_ROUTER_GAP}: degenerate router weights")
+    raise AssertionError(f"100 draws all had a router near-tie below {gap}: degenerate router weights")
