@@ -13,6 +13,13 @@ inline void check_on(const at::Tensor& t, const char* name, c10::DeviceType devi
                 t.device());
 }
 
+// `t` on the very device of the rows `x` (the kernels run under x's device guard and read t's pointer there)
+inline void check_with(const at::Tensor& t, const char* name, const at::Tensor& x, c10::DeviceType device) {
+    check_on(t, name, device);
+    LF_CHECK(t.device() == x.device(), "rmsnorm: ", name, " is on ", t.device(), " but the input on ", x.device(),
+             "; move it with .to(", x.device(), ")");
+}
+
 inline void check_rmsnorm_rows_and_weight(const at::Tensor& x, const at::Tensor& weight, c10::DeviceType device) {
     check_on(x, "x", device);
     check_on(weight, "weight", device);
@@ -32,7 +39,7 @@ inline void check_rmsnorm_fwd_args(const at::Tensor& x, const c10::optional<at::
                                    const at::Tensor& weight, double eps, c10::DeviceType device) {
     check_rmsnorm_rows_and_weight(x, weight, device);
     if (residual.has_value() && residual->defined()) {
-        check_on(*residual, "residual", device);
+        check_with(*residual, "residual", x, device);
         LF_CHECK_ROWS(*residual);
         LF_CHECK(residual->sizes() == x.sizes(), "rmsnorm: residual shape ", residual->sizes(),
                     " differs from input shape ", x.sizes());
@@ -46,17 +53,17 @@ inline void check_rmsnorm_bwd_args(const at::Tensor& dy, const at::Tensor& h, co
                                    const at::Tensor& weight, const c10::optional<at::Tensor>& dresidual,
                                    c10::DeviceType device) {
     check_rmsnorm_rows_and_weight(h, weight, device);
-    check_on(dy, "dy", device);
+    check_with(dy, "dy", h, device);
     LF_CHECK_CONTIGUOUS(dy);
     LF_CHECK(dy.sizes() == h.sizes(), "rmsnorm_bwd: grad shape ", dy.sizes(), " differs from input shape ",
                 h.sizes());
     LF_CHECK(dy.scalar_type() == h.scalar_type(), "rmsnorm_bwd: grad dtype ", dy.scalar_type(),
                 " differs from input dtype ", h.scalar_type());
-    check_on(rstd, "rstd", device);
+    check_with(rstd, "rstd", h, device);
     LF_CHECK_DTYPE(rstd, at::kFloat);
     LF_CHECK_SHAPE(rstd, h.size(0));
     if (dresidual.has_value() && dresidual->defined()) {
-        check_on(*dresidual, "dresidual", device);
+        check_with(*dresidual, "dresidual", h, device);
         LF_CHECK_CONTIGUOUS(*dresidual);
         LF_CHECK(dresidual->sizes() == h.sizes() && dresidual->scalar_type() == h.scalar_type(),
                     "rmsnorm_bwd: residual grad must match the input, got ", dresidual->sizes(), " ",

@@ -93,6 +93,9 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                          f"{x.shape[-1]} of x {tuple(x.shape)}; weight must be [hidden]")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"fused_rmsnorm: residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    if residual is not None and residual.device != x.device:  # the kernel would read it under x's device
+        raise ValueError(f"fused_rmsnorm: residual is on {residual.device} but x on {x.device}; move it with "
+                         f".to({str(x.device)!r})")
     if eps < 0:
         raise ValueError(f"fused_rmsnorm: eps must be >= 0, got {eps}")
     if keep_input and residual is not None:

@@ -210,6 +210,35 @@ def test_rmsnorm_rejects_bad_input(impl):
         fused_rmsnorm(x[0, 0], torch.ones((), device=impl), impl=impl)
 
 
+def test_rmsnorm_residual_on_another_device_is_an_error():
+    """The kernel reads the residual's pointer under x's device: a residual elsewhere is refused up front, as
+    torch's x + residual refuses it (the CUDA kernel read another GPU's memory: an illegal address, or peer reads)."""
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="residual is on meta but x on cpu"):
+        fused_rmsnorm(x, torch.ones(64), residual=torch.empty(4, 64, device="meta"), impl="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_rmsnorm_cuda_tensors_on_another_device_are_refused():
+    from ds_loongforge.op_builder import FusedRMSNormBuilder
+
+    kernel = FusedRMSNormBuilder().load()
+    x = torch.randn(8, 4096, device="cuda:0", dtype=torch.bfloat16)
+    w = torch.ones(4096, device="cuda:0", dtype=torch.bfloat16)
+    other = torch.randn(8, 4096, device="cuda:1", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual is on cuda:1 but x on cuda:0"):
+        fused_rmsnorm(x, w, residual=other, impl="cuda")
+    with pytest.raises(RuntimeError, match="residual is on cuda:1 but the input on cuda:0"):
+        kernel.forward(x, other, w, 1e-6, True)
+    y, _, rstd = kernel.forward(x, None, w, 1e-6, True)
+    with pytest.raises(RuntimeError, match="dy is on cuda:1 but the input on cuda:0"):
+        kernel.backward(other, x, rstd, w, None, True)
+    with pytest.raises(RuntimeError, match="dresidual is on cuda:1 but the input on cuda:0"):
+        kernel.backward(torch.ones_like(y), x, rstd, w, other, True)
+    torch.cuda.synchronize(0)  # nothing was launched that read cuda:1's memory
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_double_backward_through_the_kernel_is_an_error(impl):
     """The kernel's backward builds no graph: create_graph=True would lose the norm's second-order terms."""
