@@ -82,14 +82,18 @@ __device__ __forceinline__ void add_values(MaxSum& acc, const float (&v)[N]) {
     for (int j = 0; j < N; ++j) acc.sum += exp_shifted(v[j] - acc.max);
 }
 
-// Every thread returns the block's (max, sum); the merge order is fixed, so results are deterministic.
+// Every thread returns the block's (max, sum); the merge order is fixed, so results are deterministic. A barrier
+// (of the warp, in a one-warp block) orders every read of the logits before it ahead of every gradient store after it.
 __device__ __forceinline__ MaxSum block_max_sum(MaxSum v, MaxSum* smem) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         merge(v, MaxSum{__shfl_xor_sync(0xffffffffu, v.max, offset), __shfl_xor_sync(0xffffffffu, v.sum, offset)});
     }
     const int warps = blockDim.x >> 5;
-    if (warps == 1) return v;
+    if (warps == 1) {
+        __syncwarp();
+        return v;
+    }
     if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;
     __syncthreads();
     MaxSum total = smem[0];
@@ -121,15 +125,20 @@ __device__ __forceinline__ Vec<G, W> grad_group(const float (&v)[W], const RowEn
 }
 
 // A row's end, shared by both kernels: the block's (max, sum of exp), thread 0's nll write (valid and nll point at
-// this row's entries), and the max and 1 / sum for the gradient.
+// this row's entries), and the max and 1 / sum for the gradient. x[t] is read before the block's reduction, whose
+// barrier orders it before the gradient's stores: the gradient may be written into the logits themselves (grad_CV
+// = logits_CV, as the CPU kernel and the reference allow), and read after it, x[t] raced with the store of another
+// warp's thread into it (the nll then took the gradient's value).
 template <typename X>
 __device__ __forceinline__ RowEnd finish_row(const MaxSum& acc, MaxSum* smem, const X* __restrict__ x, int64_t t,
                                              int64_t vocab, const bool* valid, float* nll) {
-    const MaxSum row = block_max_sum(acc, smem);
+    float x_t = 0.f;
     if (threadIdx.x == 0) {
         CUDA_KERNEL_ASSERT(t >= 0 && t < vocab);
-        *nll = *valid ? logf(row.sum) - (static_cast<float>(x[t]) - row.max) : 0.f;
+        x_t = static_cast<float>(x[t]);
     }
+    const MaxSum row = block_max_sum(acc, smem);
+    if (threadIdx.x == 0) *nll = *valid ? logf(row.sum) - (x_t - row.max) : 0.f;
     return RowEnd{row.max, 1.f / row.sum};
 }
 

@@ -92,7 +92,8 @@ def softmax_cross_entropy_(logits_CV: torch.Tensor, target_C: torch.Tensor, vali
                            impl: str = "auto") -> torch.Tensor:
     """Per-row softmax cross-entropy of ``logits_CV`` [C, V] (fp32/bf16/fp16, fp32 math): returns ``nll_C`` (fp32,
     0 on rows where ``valid_C`` is False) and, when ``grad_CV`` [C, V] is given, writes ``(softmax -
-    onehot(target)) * scale_C`` into it (in place, cast to its dtype). No autograd: the caller owns the gradient.
+    onehot(target)) * scale_C`` into it (in place, cast to its dtype; it may be ``logits_CV`` itself, whose values
+    the gradient then replaces). No autograd: the caller owns the gradient.
 
     target_C: int64 [C] in [0, V) (map ignored rows to 0). valid_C: bool [C]. scale_C: fp32 [C] (fp64 for fp64
     logits), the gradient's row scale (0 on ignored rows). Rows of logits_CV and grad_CV may be strided (unit stride

@@ -14,7 +14,7 @@ from ds_loongforge.ops import _dispatch
 from ds_loongforge.ops.cross_entropy import cross_entropy_reference, softmax_cross_entropy_
 from ds_loongforge.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from ds_loongforge.ops.numerics import cross_entropy_checks
-from tests._params import DTYPES, IMPLS, assert_checks
+from tests._params import DTYPES, IMPLS, assert_checks, device_of
 
 GRAD_DTYPES = DTYPES + [pytest.param(None, id="no_grad")]
 LOGITS_DTYPES = [pytest.param(d, id=f"logits_{str(d)[6:]}") for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -89,6 +89,21 @@ def test_grad_into_a_row_slice_of_a_bigger_buffer(impl, vocab, grad_dtype):
     nll_own = softmax_cross_entropy_(logits_CV, *args, own_CV, impl=impl)
     assert torch.equal(big_NV[start:start + rows], own_CV) and torch.equal(nll_slice, nll_own)
     assert big_NV[:start].isnan().all() and big_NV[start + rows:].isnan().all()
+
+
+@pytest.mark.parametrize("impl", IMPLS + [pytest.param("reference", id="reference")])
+@pytest.mark.parametrize("vocab", [32000, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_written_into_the_logits_themselves(impl, vocab, dtype):
+    """grad_CV may be logits_CV itself (the gradient overwrites the logits, saving a [C, V] buffer): the same nll and
+    gradient as into a buffer of its own."""
+    device = device_of(impl)
+    logits_CV = (2.0 * torch.randn(9, vocab, device=device)).to(dtype)
+    args = make_row_args(9, vocab, device)
+    own_CV = torch.empty_like(logits_CV)
+    nll_own = softmax_cross_entropy_(logits_CV, *args, own_CV, impl=impl)
+    nll_in_place = softmax_cross_entropy_(logits_CV, *args, logits_CV, impl=impl)
+    assert torch.equal(nll_in_place, nll_own) and torch.equal(logits_CV, own_CV)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -246,6 +261,30 @@ CUDA_PATHS = [
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32, None], ids=["grad_bf16", "grad_fp32", "no_grad"])
 def test_cuda_every_kernel_path_within_twice_pytorch(vocab, logits_dtype, grad_dtype):
     assert_checks(cross_entropy_checks(67, vocab, grad_dtype, "cuda", "cuda", logits_dtype=logits_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab,logits_dtype", CUDA_PATHS + [pytest.param(40, torch.bfloat16, id="one_warp_bf16")])
+def test_cuda_grad_written_into_the_logits_themselves(vocab, logits_dtype):
+    """Every kernel path with grad_CV = logits_CV: thread 0 read the target's logit for the nll after the block's
+    reduction, when other warps could already have stored the gradient into it; and the one-warp block had no barrier
+    between the reads of the logits and the stores. The nll and the gradient must be those into a buffer of its own,
+    bit for bit, with targets at the row's ends (written first and last by the backward pass over the row) and
+    between."""
+    rows = 512
+    logits_CV = (2.0 * torch.randn(rows, vocab, device="cuda")).to(logits_dtype)
+    valid_C = torch.ones(rows, dtype=torch.bool, device="cuda")
+    picks = torch.tensor([0, vocab - 1, vocab // 2, vocab // 3], device="cuda")
+    target_C = torch.where(torch.arange(rows, device="cuda") % 2 == 0, picks[torch.arange(rows, device="cuda") % 4],
+                           torch.randint(0, vocab, (rows,), device="cuda"))
+    scale_C = torch.full((rows,), 1.0 / rows, device="cuda")
+    own_CV = torch.empty_like(logits_CV)
+    nll_own = softmax_cross_entropy_(logits_CV, target_C, valid_C, scale_C, own_CV, impl="cuda")
+    for _ in range(3):
+        in_place_CV = logits_CV.clone()
+        nll_in_place = softmax_cross_entropy_(in_place_CV, target_C, valid_C, scale_C, in_place_CV, impl="cuda")
+        assert torch.equal(nll_in_place, nll_own)
+        assert torch.equal(in_place_CV, own_CV)
 
 
 @pytest.mark.gpu
