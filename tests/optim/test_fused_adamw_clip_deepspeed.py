@@ -585,3 +585,67 @@ def test_elastic_checkpoint_round_trip(tmp_path):
         for got, want in zip(loaded[r]["params"], saved[r]["params"]):
             assert torch.equal(got, want)
         assert loaded[r]["skipped"] == saved[r]["skipped"] == 1
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_bf16_with_fp32_gradient_accumulation_below_zero_2_is_refused_before_anything_is_built(stage):
+    """bf16 with "data_types": {"grad_accum_dtype": "fp32"} at ZeRO-1 (or ZeRO-0, run as ZeRO-1): DeepSpeed wraps
+    the optimizer in its BF16_Optimizer, not ZeRO's, and the user got "FusedAdamWClip supports ZeRO stages 0, 1
+    and 2, not 1" once the model was injected and the whole engine built. Now an error naming the fix, up front."""
+    import ds_loongforge
+
+    model = _model(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage},
+              "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
+    with pytest.raises(ValueError, match=r'grad_accum_dtype": "fp32"\} runs under ZeRO stage 2 only; the config has '
+                                         r'"zero_optimization": \{"stage": ' + str(stage) + r"\}.*fused_adamw_clip"):
+        ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def _fp32_accumulation_worker(rank, world, port, seed, out_dir):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim import initialize
+
+    g = torch.Generator().manual_seed(seed + 1)
+    micro = [(torch.randn(ROWS, IN, generator=g), torch.randn(ROWS, OUT, generator=g)) for _ in range(3 * 3)]
+    results = {}
+    for fused in (False, True):
+        config = _config(2, by_block=fused, bf16=True)
+        config.update(gradient_accumulation_steps=3, data_types={"grad_accum_dtype": "fp32"})
+        if not fused:  # stock DeepSpeed: torch's AdamW inside ZeRO-2, its own clip
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95],
+                                                               "eps": EPS, "torch_adam": True}}
+        model = _model(seed)
+        engine, *_ = initialize(model=model, model_parameters=_groups(model), config=config)
+        assert isinstance(engine.basic_optimizer, FusedAdamWClip) == fused
+        norms, masters = [], []
+        for n, (x, target) in enumerate(micro):
+            engine.backward(_loss(engine, x.to(torch.bfloat16), target.to(torch.bfloat16)))
+            engine.step()
+            if (n + 1) % 3 == 0:
+                norms.append(torch.as_tensor(engine.get_global_grad_norm()).float().clone())
+                masters.append([t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups])
+        results[fused] = {"norms": norms, "masters": masters}
+    torch.save(results, f"{out_dir}/fp32_accumulation.pt")
+
+
+def test_bf16_zero_2_with_fp32_gradient_accumulation_steps_on_the_fp32_gradients(tmp_path):
+    """bf16 ZeRO-2 with "data_types": {"grad_accum_dtype": "fp32"}: DeepSpeed accumulates the micro-steps'
+    gradients in an fp32 partition and steps on them. The fused step rounded that fp32 sum to bf16 before the
+    update (the run was bitwise one without fp32 accumulation; its norms 1e-4 off stock's). Now the kernel reads the
+    fp32 gradients: stock DeepSpeed's norms and fp32 masters, 3 micro-steps per step."""
+    _spawn(_fp32_accumulation_worker, 1, int(torch.randint(0, 2**31, ())), str(tmp_path))
+    results = torch.load(tmp_path / "fp32_accumulation.pt", weights_only=True)
+    stock, fused = results[False], results[True]
+    for step in range(3):
+        torch.testing.assert_close(fused["norms"][step], stock["norms"][step], rtol=1e-6, atol=0)
+        for a, b in zip(fused["masters"][step], stock["masters"][step]):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-7)
