@@ -183,6 +183,9 @@ class FusedAdamWClip(torch.optim.Optimizer):
                      inv_scale: float | torch.Tensor = 1.0) -> None:
         """The two passes over prepared buckets, each with its group's hyper-parameters: what ``step`` does
         after gathering the grads. DeepSpeed's ZeRO glue calls it with buckets over its flat partitions."""
+        # what torch's wrapped step() records for an LR scheduler on this optimizer: under ZeRO step() never runs,
+        # and the scheduler's first step warned that optimizer.step() had not been called before it
+        self._opt_called = True
         self._follow()
         for i, (group, _) in enumerate(per_group):  # every group before any update: no step half applied
             _check_group(group, f"FusedAdamWClip param group {i}")

@@ -506,3 +506,21 @@ def test_a_parameter_listed_twice_in_a_group_is_an_error():
         FusedAdamWClip([p, p], impl="cpu")
     opt = FusedAdamWClip(iter([p]), impl="cpu")  # a generator is read once and kept as the group's list
     assert opt.param_groups[0]["params"] == [p]
+
+
+def test_an_lr_scheduler_sees_the_step_of_step_buckets():
+    """DeepSpeed's ZeRO glue steps through step_buckets, never step(): an LR scheduler built on the optimizer (a
+    callable lr_scheduler passed to deepspeed.initialize) warned at its first step that optimizer.step() had not been
+    called before it ("PyTorch skipping the first value of the learning rate schedule"), which stock DeepSpeed does
+    not."""
+    import warnings
+
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdamWClip([p], lr=0.1, impl="reference")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    p.grad = torch.randn(4)
+    opt.step_buckets([(opt.param_groups[0], opt._group_buckets(0, opt.param_groups[0]))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.05
