@@ -147,6 +147,13 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
 
     params_before = dict(model.named_parameters())
     inject(model, config)
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage == 3 and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
+        # DeepSpeed's own assertion a moment later names its native MoE and AutoEP, not the setting to change
+        raise ValueError(f"[LoongForge] moe.ep_size={config.moe.ep_size} shards the experts over DeepSpeed's "
+                         "expert-parallel groups, which DeepSpeed does not support under ZeRO stage 3; set "
+                         "\"loongforge\": {\"moe\": {\"ep_size\": 1}} (every rank holds the experts, ZeRO-3 "
+                         "partitions them) or use ZeRO stage 1 or 2")
     remap = _parameter_remap(params_before, dict(model.named_parameters()))
     if call.get("model_parameters") is not None:
         call["model_parameters"] = _remap_model_parameters(call["model_parameters"], remap)

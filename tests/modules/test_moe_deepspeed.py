@@ -575,3 +575,33 @@ def test_save_16bit_model_under_expert_parallelism_holds_every_expert(tmp_path):
     reference.to(torch.bfloat16).load_state_dict(saved, strict=True)
     for name, value in _reference(11).state_dict().items():
         assert torch.equal(saved[name], value.to(torch.bfloat16)), name
+
+
+def _zero3_worker(rank, world, port, out_dir):
+    _setup_env(rank, world, port)
+    import ds_loongforge
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                             num_experts_per_tok=K))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "loongforge": {"enabled": True, "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": False}}}
+    try:
+        ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
+        message = None
+    except Exception as error:  # noqa: BLE001 (the test checks which)
+        message = f"{type(error).__name__}: {error}"
+    torch.save({"message": message}, f"{out_dir}/zero3_{rank}.pt")
+
+
+def test_expert_parallelism_under_zero_3_names_the_setting(tmp_path):
+    """moe.ep_size 2 with ZeRO-3: DeepSpeed's own assertion ("Native DeepSpeed MoE is not supported with ZeRO Stage 3.
+    Use AutoEP ...") named neither the block nor the setting to change; now an error naming moe.ep_size 1 or ZeRO
+    stage 1/2, before DeepSpeed builds anything."""
+    _spawn(_zero3_worker, 2, str(tmp_path))
+    for rank in range(2):
+        message = torch.load(tmp_path / f"zero3_{rank}.pt")["message"]
+        assert message is not None and message.startswith("ValueError: [LoongForge] moe.ep_size=2"), message
+        assert '"ep_size": 1' in message and "ZeRO stage 1 or 2" in message, message
