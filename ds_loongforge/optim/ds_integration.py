@@ -563,10 +563,15 @@ def _follow_device_skips(engine, optimizer: FusedAdamWClip) -> None:
         _ScheduleRollback.of(self).settle()
         return base.save_checkpoint(self, *args, **kwargs)
 
+    def was_step_applied(self) -> bool:  # DeepSpeed's, with the device's skip decision (a host read when asked)
+        skipped = self.basic_optimizer.last_skipped
+        return base.was_step_applied(self) and (skipped is None or not int(skipped))
+
     offset = engine.__dict__.pop("skipped_steps", 0)
     engine.__class__ = type(base.__name__, (base,), {"skipped_steps": property(get, set_), "_loongforge_skips": True,
                                                      "_take_model_step": _take_model_step,
                                                      "save_checkpoint": save_checkpoint,
+                                                     "was_step_applied": was_step_applied,
                                                      "__module__": base.__module__})
     engine.__dict__["_lf_skip_offset"] = int(offset)
 

@@ -649,3 +649,42 @@ def test_bf16_zero_2_with_fp32_gradient_accumulation_steps_on_the_fp32_gradients
         torch.testing.assert_close(fused["norms"][step], stock["norms"][step], rtol=1e-6, atol=0)
         for a, b in zip(fused["masters"][step], stock["masters"][step]):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-7)
+
+
+def _step_applied_worker(rank, world, port, out_dir):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_loongforge.optim import initialize
+
+    g = torch.Generator().manual_seed(5)
+    micro = [(torch.randn(ROWS, IN, generator=g), torch.randn(ROWS, OUT, generator=g)) for _ in range(6)]
+    micro[3][0][0, 0] = float("nan")  # the second optimizer step's last micro-step
+    results = {}
+    for fused, stage in [(False, 2), (True, 2), (True, 0)]:
+        config = _config(stage, by_block=fused)
+        config["gradient_accumulation_steps"] = 2
+        if not fused:
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}
+        model = _model(0)
+        engine, *_ = initialize(model=model, model_parameters=_groups(model), config=config)
+        applied = []
+        for x, target in micro:
+            engine.backward(_loss(engine, x, target))
+            engine.step()
+            applied.append(engine.was_step_applied())
+        results[fused, stage] = applied
+    torch.save(results, f"{out_dir}/applied.pt")
+
+
+def test_was_step_applied_is_false_after_a_skipped_step(tmp_path):
+    """engine.was_step_applied() after a step FusedAdamWClip skipped on the device (a nan gradient): DeepSpeed's
+    flag (set from the host overflow this optimizer never reports) said True, so a script that steps its own
+    schedule or logs only applied steps took the skipped one for an update. Now False, as stock DeepSpeed says."""
+    _spawn(_step_applied_worker, 1, str(tmp_path))
+    results = torch.load(tmp_path / "applied.pt", weights_only=True)
+    want = [False, True, False, False, False, True]
+    assert results[False, 2] == want  # stock DeepSpeed
+    assert results[True, 2] == want and results[True, 0] == want, results
