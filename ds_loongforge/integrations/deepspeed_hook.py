@@ -127,7 +127,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     from ds_loongforge.integrations.inject import inject
     from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
     from ds_loongforge.optim import initialize as optim_initialize
-    from ds_loongforge.optim.ds_integration import check_zero_setup, split_client_optimizer
+    from ds_loongforge.optim.ds_integration import check_zero_setup, split_client_optimizer, zero_section
 
     _ensure_log_handler()
     model = call.get("model")
@@ -147,7 +147,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
 
     params_before = dict(model.named_parameters())
     inject(model, config)
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    stage = int(zero_section(ds_config).get("stage", 0))
     if stage == 3 and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
         # DeepSpeed's own assertion a moment later names its native MoE and AutoEP, not the setting to change
         raise ValueError(f"[LoongForge] moe.ep_size={config.moe.ep_size} shards the experts over DeepSpeed's "

@@ -72,15 +72,25 @@ def uses_fused_adamw_clip(ds_config: dict) -> bool:
     return block.enabled and block.optimizer.fused_adamw_clip
 
 
+def zero_section(ds_config: dict) -> dict:
+    """The config's "zero_optimization" as a dict; DeepSpeed also reads the deprecated form ``true`` / ``false``
+    (ZeRO stage 1 / 0)."""
+    zero = ds_config.get("zero_optimization")
+    if isinstance(zero, bool):
+        return {"stage": int(zero)}
+    return dict(zero or {})
+
+
 def check_zero_setup(ds_config: dict) -> None:
     """FusedAdamWClip runs under ZeRO 0/1/2 without optimizer offload: a config that selects it with ZeRO-3 or
     offload is refused from the config alone, before a model is changed or an engine built (``attach`` would
     find it only once DeepSpeed had built the whole engine)."""
-    zero = ds_config.get("zero_optimization") or {}
+    zero = zero_section(ds_config)
     stage = zero.get("stage", 0)
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     problem = (f'"zero_optimization": {{"stage": {stage}}}' if stage == 3 else
-               f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else None)
+               f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else
+               '"cpu_offload": true (DeepSpeed\'s deprecated offload_optimizer)' if zero.get("cpu_offload") else None)
     if problem is not None:
         raise ValueError(f"FusedAdamWClip (selected by the config) runs under ZeRO stages 0-2 without optimizer "
                          f"offload; the config has {problem}. Set \"loongforge\": {{\"optimizer\": "
@@ -135,7 +145,7 @@ def deepspeed_config_for(ds_config: dict, expert_parallel: bool = False) -> dict
     config.pop("optimizer", None)
     config["gradient_clipping"] = 0.0
     config["zero_allow_untested_optimizer"] = True
-    zero = dict(config.get("zero_optimization") or {})
+    zero = zero_section(config)
     low_precision = _enabled(config, "bf16") or _enabled(config, "bfloat16") or _enabled(config, "fp16")
     if int(zero.get("stage", 0)) == 0 and (low_precision or expert_parallel):
         why = "bf16/fp16 params" if low_precision else "expert-parallel parameter groups"

@@ -688,3 +688,19 @@ def test_was_step_applied_is_false_after_a_skipped_step(tmp_path):
     want = [False, True, False, False, False, True]
     assert results[False, 2] == want  # stock DeepSpeed
     assert results[True, 2] == want and results[True, 0] == want, results
+
+
+def test_deprecated_zero_optimization_forms():
+    """DeepSpeed still reads "zero_optimization": true / false (ZeRO-1 / 0) and "cpu_offload": true (its old name
+    of offload_optimizer cpu). With fused_adamw_clip the bool form raised AttributeError ('bool' object has no
+    attribute 'get') before anything was built, and "cpu_offload" passed the up-front check to fail only once the
+    engine was built ("FusedAdamWClip under ZeRO with cpu_offload is not supported")."""
+    from ds_loongforge.optim.ds_integration import check_zero_setup
+
+    for zero, stage in [(True, 1), (False, 0)]:
+        config = {"zero_optimization": zero, "bf16": {"enabled": True}}
+        check_zero_setup(config)
+        assert deepspeed_config_for(config)["zero_optimization"] in (True, {"stage": 1})  # bf16 ZeRO-0 runs as 1
+        assert deepspeed_config_for({"zero_optimization": zero})["zero_optimization"] == zero
+    with pytest.raises(ValueError, match=r'"cpu_offload": true .*"fused_adamw_clip": false'):
+        check_zero_setup({"zero_optimization": {"stage": 2, "cpu_offload": True}})
