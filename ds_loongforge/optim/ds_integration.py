@@ -702,7 +702,8 @@ def _fused_zero_step(zero, closure=None):
     optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
     if device_scaler:
         scaler.update(optimizer.last_stats)
-    zero._global_grad_norm = optimizer.last_grad_norm
+    # a skipped step's norm is inf, as DeepSpeed's ZeRO reports an overflow step's (ours would be nan with any nan)
+    zero._global_grad_norm = optimizer.last_grad_norm.masked_fill(optimizer.last_stats[1] != 0, float("inf"))
     for i in range(len(zero.bit16_groups)):  # the gradients were read in place: release them only now
         zero.free_grad_in_param_list(zero.params_in_partition[i])
         zero._release_preflattened_grad_buffers(i)

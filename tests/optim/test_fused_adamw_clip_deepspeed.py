@@ -670,24 +670,29 @@ def _step_applied_worker(rank, world, port, out_dir):
             config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}
         model = _model(0)
         engine, *_ = initialize(model=model, model_parameters=_groups(model), config=config)
-        applied = []
+        applied, norms = [], []
         for x, target in micro:
             engine.backward(_loss(engine, x, target))
             engine.step()
             applied.append(engine.was_step_applied())
+            norms.append(float(engine.get_global_grad_norm() or 0.0))
         results[fused, stage] = applied
+        results["norms", fused, stage] = norms
     torch.save(results, f"{out_dir}/applied.pt")
 
 
 def test_was_step_applied_is_false_after_a_skipped_step(tmp_path):
     """engine.was_step_applied() after a step FusedAdamWClip skipped on the device (a nan gradient): DeepSpeed's
     flag (set from the host overflow this optimizer never reports) said True, so a script that steps its own
-    schedule or logs only applied steps took the skipped one for an update. Now False, as stock DeepSpeed says."""
+    schedule or logs only applied steps took the skipped one for an update. Now False, as stock DeepSpeed says.
+    Under ZeRO get_global_grad_norm() of that step is inf, as stock's (it was nan)."""
     _spawn(_step_applied_worker, 1, str(tmp_path))
     results = torch.load(tmp_path / "applied.pt", weights_only=True)
     want = [False, True, False, False, False, True]
     assert results[False, 2] == want  # stock DeepSpeed
     assert results[True, 2] == want and results[True, 0] == want, results
+    # and the skipped step's norm under ZeRO is inf, as stock DeepSpeed reports it (it was nan: a nan gradient)
+    assert results["norms", False, 2][3] == results["norms", True, 2][3] == float("inf"), results
 
 
 def test_deprecated_zero_optimization_forms():
