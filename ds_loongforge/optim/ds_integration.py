@@ -703,7 +703,8 @@ def _fused_zero_step(zero, closure=None):
     if device_scaler:
         scaler.update(optimizer.last_stats)
     # a skipped step's norm is inf, as DeepSpeed's ZeRO reports an overflow step's (ours would be nan with any nan)
-    zero._global_grad_norm = optimizer.last_grad_norm.masked_fill(optimizer.last_stats[1] != 0, float("inf"))
+    norm, stats = optimizer.last_grad_norm, optimizer.last_stats
+    zero._global_grad_norm = norm if norm is None else norm.masked_fill(stats[1] != 0, float("inf"))
     for i in range(len(zero.bit16_groups)):  # the gradients were read in place: release them only now
         zero.free_grad_in_param_list(zero.params_in_partition[i])
         zero._release_preflattened_grad_buffers(i)
