@@ -596,6 +596,7 @@ def _zero3_worker(rank, world, port, out_dir):
     torch.save({"message": message}, f"{out_dir}/zero3_{rank}.pt")
 
 
+@pytest.mark.slow
 def test_expert_parallelism_under_zero_3_names_the_setting(tmp_path):
     """moe.ep_size 2 with ZeRO-3: DeepSpeed's own assertion ("Native DeepSpeed MoE is not supported with ZeRO Stage 3.
     Use AutoEP ...") named neither the block nor the setting to change; now an error naming moe.ep_size 1 or ZeRO

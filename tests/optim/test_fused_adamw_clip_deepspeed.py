@@ -637,6 +637,7 @@ def _fp32_accumulation_worker(rank, world, port, seed, out_dir):
     torch.save(results, f"{out_dir}/fp32_accumulation.pt")
 
 
+@pytest.mark.slow
 def test_bf16_zero_2_with_fp32_gradient_accumulation_steps_on_the_fp32_gradients(tmp_path):
     """bf16 ZeRO-2 with "data_types": {"grad_accum_dtype": "fp32"}: DeepSpeed accumulates the micro-steps'
     gradients in an fp32 partition and steps on them. The fused step rounded that fp32 sum to bf16 before the
@@ -681,6 +682,7 @@ def _step_applied_worker(rank, world, port, out_dir):
     torch.save(results, f"{out_dir}/applied.pt")
 
 
+@pytest.mark.slow
 def test_was_step_applied_is_false_after_a_skipped_step(tmp_path):
     """engine.was_step_applied() after a step FusedAdamWClip skipped on the device (a nan gradient): DeepSpeed's
     flag (set from the host overflow this optimizer never reports) said True, so a script that steps its own
