@@ -163,8 +163,16 @@ class SavedOptimizer:
 
     def tensor(self, name: str, key: str, experts: range | None = None) -> torch.Tensor:
         """A parameter's saved ``key`` ('fp32', 'exp_avg', 'exp_avg_sq'), whole (a dense parameter) or the given
-        global experts of an expert parameter, in fp32."""
+        global experts of an expert parameter, in fp32. An MLP's ``gate_up_proj`` saved as ``gate_proj`` and
+        ``up_proj`` (a run without LoongForge's fused MLP) is their rows joined; the other way, each is its half."""
         if name not in self.shapes:
+            fused = fused_mlp_parts(name, self.shapes)
+            if fused is not None:
+                return torch.cat([self.tensor(part, key) for part in fused])
+            split = split_mlp_part(name, self.shapes)
+            if split is not None:
+                whole, half = split
+                return self.tensor(whole, key).chunk(2)[half]
             raise CheckpointLayoutError(f"{self.folder}: the checkpoint's optimizer holds no parameter named {name} "
                                         "(saved from another model?)")
         group, shape = self.shapes[name]
@@ -190,6 +198,47 @@ class SavedOptimizer:
             lo, hi = max(experts.start, e * local) - e * local, min(experts.stop, (e + 1) * local) - e * local
             parts.append(held[lo:hi])
         return torch.cat(parts)
+
+
+def fused_mlp_parts(name: str, saved: dict) -> list[str] | None:
+    """``[<mlp>.gate_proj.<leaf>, <mlp>.up_proj.<leaf>]`` for ``<mlp>.gate_up_proj.<leaf>`` (FusedSwiGLUMLP, rows
+    [gate; up]) when both are in ``saved``; else None."""
+    module, _, rest = name.rpartition("gate_up_proj.")
+    if not rest or "." in rest:
+        return None
+    parts = [f"{module}gate_proj.{rest}", f"{module}up_proj.{rest}"]
+    return parts if all(part in saved for part in parts) else None
+
+
+def split_mlp_part(name: str, saved: dict) -> tuple[str, int] | None:
+    """``(<mlp>.gate_up_proj.<leaf>, 0 or 1)`` for ``<mlp>.gate_proj.<leaf>`` / ``<mlp>.up_proj.<leaf>`` when only
+    the fused one is in ``saved``; else None."""
+    for half, proj in enumerate(("gate_proj.", "up_proj.")):
+        module, _, rest = name.rpartition(proj)
+        if rest and "." not in rest and (not module or module.endswith(".")):
+            whole = f"{module}gate_up_proj.{rest}"
+            return (whole, half) if whole in saved else None
+    return None
+
+
+def _saved_with_other_mlp_params(engine, folder: str) -> bool:
+    """Whether the checkpoint holds an MLP's gate and up projections as this engine does not: one gate_up_proj
+    where the engine has gate_proj and up_proj, or the other way (saved with LoongForge's fused MLP on and loaded
+    with it off, or saved by stock DeepSpeed and loaded with LoongForge). DeepSpeed's flat ZeRO partitions then
+    hold the same parameters under other names and boundaries, and its own load refuses them."""
+    from ds_loongforge.export import CheckpointExportError, _model_states
+
+    try:
+        states = _model_states(folder)
+    except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
+        return False
+    saved = {name for shapes in states.get("param_shapes") or [] for name in shapes}
+    names = list((getattr(engine.optimizer, "param_names", None) or {}).values())
+    if not saved or not names or set(names) == saved:
+        return False
+    missing = [name for name in names if name not in saved]
+    return all(fused_mlp_parts(name, saved) is not None or split_mlp_part(name, saved) is not None
+               for name in missing)
 
 
 def _this_layout_matches(engine, saved: SavedOptimizer, lp_groups) -> bool:
@@ -587,6 +636,20 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
             and unsharded == bool(_expert_files(folder))):
         return _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states,
                                      load_module_only, kwargs, into_sharded=sharded)
+    if (saved_here and _wants_optimizer_state(engine, load_optimizer_states, load_module_only)
+            and _saved_with_other_mlp_params(engine, folder)):
+        # DeepSpeed's load would refuse the partitions ("parameter-alignment layout does not match"): the weights
+        # load by name (the fused MLP's state dict has the stock keys), the optimizer state is rebuilt per parameter
+        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
+        if result[0] is not None:
+            saved = SavedOptimizer(folder)
+            load_saved_optimizer_state(engine, saved)
+            fused = any(split_mlp_part(name, saved.shapes) for name in engine.optimizer.param_names.values())
+            logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: fp32 "
+                        "masters and Adam moments rebuilt from the saved partitions", folder,
+                        *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")))
+            check_masters_match_weights(engine, folder)
+        return result
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, folder)

@@ -424,3 +424,23 @@ def test_scheduler_with_entries_per_script_group_is_left_as_saved(name):
     with fitting_scheduler_loads(scheduler, ([0, 1, 0], 2)):
         scheduler.load_state_dict(saved.state_dict())
     assert _comparable(scheduler.state_dict()) == _comparable(saved.state_dict())
+
+
+def test_mlp_parameter_names_across_the_fused_mlp():
+    """A checkpoint's gate_proj / up_proj for the fused MLP's gate_up_proj and the other way (the rows [gate; up]);
+    the stacked experts' own gate_up_proj (no leaf) and other names are left alone."""
+    from ds_loongforge.checkpoint import fused_mlp_parts, split_mlp_part
+
+    mlp = "model.layers.0.mlp."
+    stock = {mlp + "gate_proj.weight", mlp + "up_proj.weight", mlp + "down_proj.weight"}
+    fused = {mlp + "gate_up_proj.weight", mlp + "down_proj.weight"}
+    assert fused_mlp_parts(mlp + "gate_up_proj.weight", stock) == [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    assert fused_mlp_parts(mlp + "gate_up_proj.bias", stock) is None  # no saved bias
+    assert fused_mlp_parts("gate_up_proj.weight", {"gate_proj.weight", "up_proj.weight"}) == ["gate_proj.weight",
+                                                                                              "up_proj.weight"]
+    assert fused_mlp_parts(mlp + "experts.gate_up_proj", stock) is None
+    assert split_mlp_part(mlp + "gate_proj.weight", fused) == (mlp + "gate_up_proj.weight", 0)
+    assert split_mlp_part(mlp + "up_proj.weight", fused) == (mlp + "gate_up_proj.weight", 1)
+    assert split_mlp_part(mlp + "down_proj.weight", fused) is None
+    assert split_mlp_part(mlp + "gate_up_proj.weight", fused) is None
+    assert split_mlp_part(mlp + "up_proj.weight", stock) is None  # saved as it is

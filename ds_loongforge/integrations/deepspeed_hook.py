@@ -228,9 +228,10 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     _release_cpu_allreduce_buffers()
     from ds_loongforge import checkpoint
 
-    if checkpoint.holds_unsharded_experts(engine):
+    if checkpoint.holds_unsharded_experts(engine) or any(isinstance(t, _FusedPart) for t in remap.values()):
         # an expert-parallel checkpoint keeps the experts in per-expert files, which DeepSpeed reads only into
-        # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts
+        # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts;
+        # and a checkpoint saved with the MLPs' gate_proj and up_proj (stock) into their fused gate_up_proj
         checkpoint.install()
     return engine, optimizer, loader, scheduler
 

@@ -644,6 +644,86 @@ def test_accelerate_save_and_load_state_across_expert_sharding(tmp_path, acceler
         previous, checkpoint = end, str(out)
 
 
+# a dense Llama trained 2 steps by stock DeepSpeed (no block), saved, and stepped once more; then the same model
+# built again under argv[1]'s enabled block (MLPs fused: gate_proj and up_proj become one gate_up_proj), the
+# checkpoint loaded and stepped once on the same batch. Each engine's fp32 masters and Adam moments under stock names
+# (gate_up_proj cut into gate_proj and up_proj rows) after the load / before the third step, and its weights after it
+STOCK_TO_FUSED_SCRIPT = """
+import json, os, sys
+import torch
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from transformers import LlamaConfig, LlamaForCausalLM
+
+out = sys.argv[2]
+batches = torch.randint(0, 64, (3, 2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def engine_for(config):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def step(engine, ids):
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+
+def states(engine):
+    out = {}
+    for name, p in engine.module.named_parameters():
+        values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+        if "gate_up_proj" in name:
+            for part, half in zip(("gate_proj", "up_proj"), zip(*(v.chunk(2) for v in values))):
+                out[name.replace("gate_up_proj", part)] = torch.stack(half)
+        else:
+            out[name] = torch.stack(values)
+    return out
+
+
+config = json.load(open(sys.argv[1]))
+stock = engine_for({k: v for k, v in config.items() if k != "loongforge"})
+for ids in batches[:2]:
+    step(stock, ids)
+stock.save_checkpoint(out, tag="ckpt")
+saved = states(stock)
+step(stock, batches[2])
+fused = engine_for(config)
+assert any("gate_up_proj" in n for n, _ in fused.module.named_parameters())
+fused.load_checkpoint(out, tag="ckpt")
+loaded = states(fused)
+step(fused, batches[2])
+torch.save({"saved": saved, "loaded": loaded, "stock_after": dict(stock.module.state_dict()),
+            "fused_after": dict(fused.module.state_dict()), "steps": [stock.global_steps, fused.global_steps]},
+           os.path.join(out, "result.pt"))
+leave()
+"""
+
+
+def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_installed):
+    """Turning the block on for a run saved by stock DeepSpeed: the fused MLP holds gate_proj and up_proj as one
+    gate_up_proj, so ZeRO's flat partitions have other parameter boundaries, and DeepSpeed's load raised "The ZeRO
+    checkpoint parameter-alignment layout does not match the current zero_optimization.parameter_alignment setting"
+    (a setting nobody changed). The weights load by name, the fp32 masters and Adam moments are rebuilt per
+    parameter (the gate's and up's rows joined), and the next step is stock's."""
+    import torch
+
+    config = {**DS_BASE, "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, **ENABLED}
+    output = _run_script(tmp_path, MODEL_SNIPPET + STOCK_TO_FUSED_SCRIPT, config, str(tmp_path / "ckpt"))
+    assert "saved with the MLPs' gate and up projections as two, loaded as one gate_up_proj" in output, output[-6000:]
+    result = torch.load(tmp_path / "ckpt" / "result.pt")
+    assert result["steps"] == [3, 3]
+    assert result["saved"].keys() == result["loaded"].keys()
+    for name, value in result["saved"].items():
+        assert torch.equal(result["loaded"][name], value), name
+    assert result["stock_after"].keys() == result["fused_after"].keys()
+    for name, value in result["stock_after"].items():  # fp32; the fused kernels' sums in another order
+        torch.testing.assert_close(result["fused_after"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_library_entry_points_are_lazy():
     code = textwrap.dedent("""
         import sys, ds_loongforge
