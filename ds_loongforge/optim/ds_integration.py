@@ -116,9 +116,10 @@ def deepspeed_optimizer(model_params, ds_config: dict, impl: str = "auto") -> Fu
         raise ValueError(f'FusedAdamWClip replaces AdamW; the config\'s "optimizer" type is {optimizer.get("type")!r} '
                          f"(expected {OPTIMIZER_TYPE!r} or AdamW)")
     params = dict(optimizer.get("params") or {})
-    if params.get("adam_w_mode") is False or (kind == "adam" and "adam_w_mode" not in params):
-        raise ValueError('FusedAdamWClip is AdamW (decoupled weight decay); the config asks for Adam '
-                         '(type "Adam" without adam_w_mode, or adam_w_mode false)')
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its adam_w_mode defaults to true)
+    if params.get("adam_w_mode") is False:
+        raise ValueError('FusedAdamWClip is AdamW (decoupled weight decay); the config asks for Adam with L2 weight '
+                         'decay (adam_w_mode false)')
     for key in _IGNORED_DS_PARAMS:
         params.pop(key, None)
     kwargs = {k: params.pop(k) for k in ("lr", "betas", "eps", "weight_decay", "impl") if k in params}

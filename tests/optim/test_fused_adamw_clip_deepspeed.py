@@ -220,8 +220,22 @@ def test_config_errors_name_the_value():
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "Lamb"}})
     with pytest.raises(ValueError, match="asks for Adam"):
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    with pytest.raises(ValueError, match="asks for Adam"):
+        deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
     with pytest.raises(ValueError, match=r"lr must be a float >= 0, got -1"):
         deepspeed_optimizer(model.parameters(), {"optimizer": {"type": "LoongForgeAdamW", "params": {"lr": -1}}})
+
+
+def test_deepspeed_adam_without_adam_w_mode_is_adamw():
+    """DeepSpeed's "Adam" runs AdamW unless adam_w_mode is false (ADAM_W_MODE_DEFAULT = True: "Optimizer name of
+    Adam forces AdamW logic unless adam_w_mode is explicitly set", DeepSpeed 0.19.8), as in DeepSpeed's own example
+    configs; with fused_adamw_clip it was refused as Adam with L2 weight decay."""
+    from deepspeed.runtime.config import ADAM_W_MODE_DEFAULT
+
+    assert ADAM_W_MODE_DEFAULT is True
+    opt = deepspeed_optimizer(_model(0).parameters(), {"gradient_clipping": CLIP, "optimizer": {
+        "type": "Adam", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95], "eps": EPS}}})
+    assert isinstance(opt, FusedAdamWClip) and opt.param_groups[0]["weight_decay"] == WD
 
 
 @pytest.mark.parametrize("zero, problem", [
