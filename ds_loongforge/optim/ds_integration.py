@@ -175,6 +175,16 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
     check_zero_setup(config)
     client = kwargs.pop("optimizer", None)
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    if client is None:
+        params = list(params)
+        if not any(list(g["params"]) if isinstance(g, dict) else True for g in params):
+            # a frozen model (a reference or teacher model built from the training config): nothing to optimize,
+            # and FusedAdamWClip refused the empty list; DeepSpeed builds what it builds for it
+            logger.info("[LoongForge] optimizer: no FusedAdamWClip (no parameter of %s requires grad)",
+                        type(model).__name__)
+            if str((config.get("optimizer") or {}).get("type", "")).lower() == OPTIMIZER_TYPE.lower():
+                config = {k: v for k, v in config.items() if k != "optimizer"}  # a name DeepSpeed does not know
+            return deepspeed.initialize(model=model, model_parameters=model_parameters, config=config, **kwargs)
     if client is not None:
         params = _client_adamw_groups(client, config)
         logger.info("[LoongForge] FusedAdamWClip takes the script's %s: its %d parameter groups with their lr, betas, "

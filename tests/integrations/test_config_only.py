@@ -724,6 +724,35 @@ def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_instal
         torch.testing.assert_close(result["fused_after"][name], value, rtol=0, atol=1e-6, msg=name)
 
 
+# a frozen model (a DPO reference or distillation teacher) given to deepspeed.initialize with the training config and
+# no optimizer; argv[3]: "bf16" or "fp32"
+FROZEN_SCRIPT = MODEL_SNIPPET + """
+import deepspeed
+
+model.requires_grad_(False)
+engine, optimizer, _, _ = deepspeed.initialize(model=model, config=sys.argv[1])
+with torch.no_grad():
+    logits = engine(input_ids=torch.randint(0, 64, (2, 16))).logits
+print("FROZEN " + json.dumps({"optimizer": type(engine.optimizer).__name__, "returned": type(optimizer).__name__,
+                              "finite": bool(torch.isfinite(logits).all())}))
+report(engine.module, engine.optimizer or torch.optim.SGD([torch.zeros(1)], lr=0.0), engine)
+leave()
+"""
+
+
+@pytest.mark.parametrize("precision, expected", [("fp32", "NoneType"), ("bf16", "BF16_Optimizer")])
+def test_frozen_model_with_fused_adamw_clip_in_the_config(tmp_path, autoload_installed, precision, expected):
+    """The training config (fused_adamw_clip in the block) reused for a frozen reference or teacher model, ZeRO-0 as
+    TRL sets it for one: stock DeepSpeed builds no optimizer (BF16_Optimizer's wrapper in bf16); the hook built
+    FusedAdamWClip on no parameters and torch raised "optimizer got an empty parameter list". Now the engine is
+    stock's, with the modules injected."""
+    config = {**DS_BASE, **FUSED_ADAMW_CLIP, "bf16": {"enabled": precision == "bf16"}}
+    output = _run_script(tmp_path, FROZEN_SCRIPT, config, str(tmp_path), precision)
+    assert _tagged(output, "FROZEN") == {"optimizer": expected, "returned": expected, "finite": True}
+    assert "[LoongForge] optimizer: no FusedAdamWClip (no parameter of MixtralForCausalLM requires grad)" in output
+    assert OUR_TYPES <= set(_result(output)["types"])
+
+
 def test_library_entry_points_are_lazy():
     code = textwrap.dedent("""
         import sys, ds_loongforge
