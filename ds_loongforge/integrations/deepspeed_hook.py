@@ -228,10 +228,12 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     _release_cpu_allreduce_buffers()
     from ds_loongforge import checkpoint
 
-    if checkpoint.holds_unsharded_experts(engine) or any(isinstance(t, _FusedPart) for t in remap.values()):
+    if (checkpoint.holds_unsharded_experts(engine) or any(isinstance(t, _FusedPart) for t in remap.values())
+            or not config.fused_kernels.swiglu):
         # an expert-parallel checkpoint keeps the experts in per-expert files, which DeepSpeed reads only into
         # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts;
-        # and a checkpoint saved with the MLPs' gate_proj and up_proj (stock) into their fused gate_up_proj
+        # and a checkpoint saved with the MLPs' gate_proj and up_proj (stock) into their fused gate_up_proj, or
+        # one saved with them fused into an engine without the fusion
         checkpoint.install()
     return engine, optimizer, loader, scheduler
 

@@ -646,8 +646,9 @@ def test_accelerate_save_and_load_state_across_expert_sharding(tmp_path, acceler
 
 # a dense Llama trained 2 steps by stock DeepSpeed (no block), saved, and stepped once more; then the same model
 # built again under argv[1]'s enabled block (MLPs fused: gate_proj and up_proj become one gate_up_proj), the
-# checkpoint loaded and stepped once on the same batch. Each engine's fp32 masters and Adam moments under stock names
-# (gate_up_proj cut into gate_proj and up_proj rows) after the load / before the third step, and its weights after it
+# checkpoint loaded and stepped once on the same batch, and saved. Each engine's fp32 masters and Adam moments under
+# stock names (gate_up_proj cut into gate_proj and up_proj rows) after the load / before the third step, and its
+# weights after it. With argv[3], a fresh process loads that last checkpoint into an engine of argv[1]'s config
 STOCK_TO_FUSED_SCRIPT = """
 import json, os, sys
 import torch
@@ -685,6 +686,12 @@ def states(engine):
 
 
 config = json.load(open(sys.argv[1]))
+if len(sys.argv) > 3:  # a fresh process: the fused engine's checkpoint into one with the MLP fusion off
+    unfused = engine_for(config)
+    assert not any("gate_up_proj" in n for n, _ in unfused.module.named_parameters())
+    unfused.load_checkpoint(out, tag="fused")
+    torch.save(states(unfused), os.path.join(out, "unfused.pt"))
+    leave()
 stock = engine_for({k: v for k, v in config.items() if k != "loongforge"})
 for ids in batches[:2]:
     step(stock, ids)
@@ -696,9 +703,10 @@ assert any("gate_up_proj" in n for n, _ in fused.module.named_parameters())
 fused.load_checkpoint(out, tag="ckpt")
 loaded = states(fused)
 step(fused, batches[2])
+fused.save_checkpoint(out, tag="fused")
 torch.save({"saved": saved, "loaded": loaded, "stock_after": dict(stock.module.state_dict()),
-            "fused_after": dict(fused.module.state_dict()), "steps": [stock.global_steps, fused.global_steps]},
-           os.path.join(out, "result.pt"))
+            "fused_after": dict(fused.module.state_dict()), "steps": [stock.global_steps, fused.global_steps],
+            "fused_saved": states(fused)}, os.path.join(out, "result.pt"))
 leave()
 """
 
@@ -708,7 +716,8 @@ def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_instal
     gate_up_proj, so ZeRO's flat partitions have other parameter boundaries, and DeepSpeed's load raised "The ZeRO
     checkpoint parameter-alignment layout does not match the current zero_optimization.parameter_alignment setting"
     (a setting nobody changed). The weights load by name, the fp32 masters and Adam moments are rebuilt per
-    parameter (the gate's and up's rows joined), and the next step is stock's."""
+    parameter (the gate's and up's rows joined), and the next step is stock's; and a checkpoint of the fused MLP
+    loads into an engine with fused_kernels.swiglu off (rows cut in halves)."""
     import torch
 
     config = {**DS_BASE, "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, **ENABLED}
@@ -722,6 +731,13 @@ def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_instal
     assert result["stock_after"].keys() == result["fused_after"].keys()
     for name, value in result["stock_after"].items():  # fp32; the fused kernels' sums in another order
         torch.testing.assert_close(result["fused_after"][name], value, rtol=0, atol=1e-6, msg=name)
+    config["loongforge"] = {**config["loongforge"], "fused_kernels": {"swiglu": False}}
+    output = _run_script(tmp_path, MODEL_SNIPPET + STOCK_TO_FUSED_SCRIPT, config, str(tmp_path / "ckpt"), "unfused")
+    assert "saved with the MLPs' gate and up projections as one gate_up_proj, loaded as two" in output, output[-6000:]
+    unfused = torch.load(tmp_path / "ckpt" / "unfused.pt")
+    assert result["fused_saved"].keys() == unfused.keys()
+    for name, value in result["fused_saved"].items():
+        assert torch.equal(unfused[name], value), name
 
 
 # a frozen model (a DPO reference or distillation teacher) given to deepspeed.initialize with the training config and
