@@ -676,7 +676,8 @@ def step(engine, ids):
 def states(engine):
     out = {}
     for name, p in engine.module.named_parameters():
-        values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+        values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, key)
+                                                  for key in ("exp_avg", "exp_avg_sq")]
         if "gate_up_proj" in name:
             for part, half in zip(("gate_proj", "up_proj"), zip(*(v.chunk(2) for v in values))):
                 out[name.replace("gate_up_proj", part)] = torch.stack(half)
