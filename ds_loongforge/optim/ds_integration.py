@@ -177,7 +177,10 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     if client is None:
         params = list(params)
-        if not any(list(g["params"]) if isinstance(g, dict) else True for g in params):
+        for group in params:  # as torch's add_param_group makes them (a generator would be spent by the check)
+            if isinstance(group, dict) and not isinstance(group.get("params"), (list, torch.Tensor)):
+                group["params"] = list(group["params"])
+        if not any(group["params"] if isinstance(group, dict) else True for group in params):
             # a frozen model (a reference or teacher model built from the training config): nothing to optimize,
             # and FusedAdamWClip refused the empty list; DeepSpeed builds what it builds for it
             logger.info("[LoongForge] optimizer: no FusedAdamWClip (no parameter of %s requires grad)",
