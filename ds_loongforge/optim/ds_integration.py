@@ -180,14 +180,16 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
         for group in params:  # as torch's add_param_group makes them (a generator would be spent by the check)
             if isinstance(group, dict) and not isinstance(group.get("params"), (list, torch.Tensor)):
                 group["params"] = list(group["params"])
-        if not any(group["params"] if isinstance(group, dict) else True for group in params):
+        if not any(not isinstance(group, dict) or isinstance(group["params"], torch.Tensor) or len(group["params"])
+                   for group in params):
             # a frozen model (a reference or teacher model built from the training config): nothing to optimize,
             # and FusedAdamWClip refused the empty list; DeepSpeed builds what it builds for it
             logger.info("[LoongForge] optimizer: no FusedAdamWClip (no parameter of %s requires grad)",
                         type(model).__name__)
             if str((config.get("optimizer") or {}).get("type", "")).lower() == OPTIMIZER_TYPE.lower():
                 config = {k: v for k, v in config.items() if k != "optimizer"}  # a name DeepSpeed does not know
-            return deepspeed.initialize(model=model, model_parameters=model_parameters, config=config, **kwargs)
+            return deepspeed.initialize(model=model, model_parameters=None if model_parameters is None else params,
+                                        config=config, **kwargs)
     if client is not None:
         params = _client_adamw_groups(client, config)
         logger.info("[LoongForge] FusedAdamWClip takes the script's %s: its %d parameter groups with their lr, betas, "

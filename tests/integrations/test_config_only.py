@@ -770,14 +770,16 @@ def test_frozen_model_with_fused_adamw_clip_in_the_config(tmp_path, autoload_ins
     assert OUR_TYPES <= set(_result(output)["types"])
 
 
-# ds_loongforge.optim.initialize with parameter groups whose "params" are generators (torch's optimizers take them)
+# ds_loongforge.optim.initialize with parameter groups whose "params" are generators or a lone tensor (torch's
+# optimizers take them)
 GENERATOR_GROUPS_SCRIPT = """
 import json, os, sys
 import torch
 from ds_loongforge.optim import initialize
 
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-groups = [{"params": (p for p in model[0].parameters()), "weight_decay": 0.0}, {"params": model[1].parameters()}]
+groups = [{"params": torch.nn.Parameter(torch.zeros(3, 2))},  # a lone tensor, as torch takes it too
+          {"params": (p for p in model[0].parameters()), "weight_decay": 0.0}, {"params": model[1].parameters()}]
 engine, _, _, _ = initialize(model=model, model_parameters=groups, config=json.load(open(sys.argv[1])))
 print("GROUPS " + json.dumps([len(g["params"]) for g in engine.basic_optimizer.param_groups]))
 sys.stdout.flush()
@@ -787,10 +789,10 @@ os._exit(0)
 
 def test_fused_adamw_clip_takes_generator_param_groups(tmp_path, autoload_installed):
     """The frozen-model check (no parameter requires grad) reads each group's "params": a generator there must
-    still reach FusedAdamWClip whole."""
+    still reach FusedAdamWClip whole, and a lone multi-element tensor is not asked for its truth value."""
     output = _run_script(tmp_path, GENERATOR_GROUPS_SCRIPT, {**DS_BASE, "optimizer": {
         "type": "LoongForgeAdamW", "params": {"lr": 1e-3}}})
-    assert _tagged(output, "GROUPS") == [2, 2]
+    assert _tagged(output, "GROUPS") == [1, 2, 2]
 
 
 def test_library_entry_points_are_lazy():
