@@ -75,6 +75,7 @@ def dataset_documents(name_or_path: str, column: str = "text", split: str = "tra
     """The ``column`` strings of a Hugging Face dataset (hub name, ``save_to_disk`` folder or local files)."""
     import datasets
 
+    name_or_path = os.path.expanduser(name_or_path)
     if os.path.isdir(name_or_path) and os.path.exists(os.path.join(name_or_path, "dataset_info.json")):
         loaded = datasets.load_from_disk(name_or_path)
         data = loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded

@@ -155,6 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="peak dense bf16 FLOP/s per device for MFU (default 989e12: H200 SXM)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines instead)")
     args = p.parse_args(argv)
+    # a path given as --flag=~/x (or quoted) reaches us unexpanded by the shell; hub names never start with "~"
+    for name in ("deepspeed_config", "model", "dataset", "tokenizer", "save_dir", "kernel_trace"):
+        if getattr(args, name) is not None:
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
     if args.autoep:
         if args.loongforge:
             p.error("--autoep runs stock DeepSpeed AutoEP; it cannot be combined with --use-loongforge")

@@ -354,6 +354,19 @@ def test_pydoc_corpus_is_offline_english():
     assert "the" in docs[0].lower()
 
 
+def test_home_relative_paths_are_expanded(tmp_path, monkeypatch):
+    """--dataset=~/corpus.txt (no shell expansion after '=', or quoted) was "no such file or folder" for a file that
+    exists; --model/--save-dir/... got a literal "~" folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("one\ntwo\n")
+    assert _corpus.dataset_documents("~/corpus.txt") == ["one", "two"]
+    args = train.parse_args(["--deepspeed_config=~/ds.json", "--model=~/model", "--dataset=~/corpus.txt",
+                             "--tokenizer=~/tok", "--save-dir=~/ckpt", "--kernel-trace=~/trace.json"])
+    for name in ("deepspeed_config", "model", "dataset", "tokenizer", "save_dir", "kernel_trace"):
+        assert getattr(args, name).startswith(str(tmp_path) + os.sep), (name, getattr(args, name))
+    assert train.parse_args(["--deepspeed_config", "c.json"]).model == "tiny"
+
+
 def test_local_text_dataset(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("first line of text\nsecond line\n\nthird\n")
