@@ -77,9 +77,13 @@ def environment() -> dict[str, str]:
 def extensions_dir() -> str:
     """Where JIT builds of the ops are cached, as the builders look there (``jit_cached``, ``load``):
     TORCH_EXTENSIONS_DIR when set, else torch's default root with its per-Python/CUDA folder."""
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory, get_default_build_root
 
-    return os.path.dirname(_get_build_directory(FusedRMSNormBuilder.NAME, verbose=False))
+    try:
+        return os.path.dirname(_get_build_directory(FusedRMSNormBuilder.NAME, verbose=False))
+    except OSError as err:  # the report is where a user looks for why builds fail: say it, do not crash
+        return (f"{get_default_build_root()} (cannot be written: {err}; JIT builds fail, set TORCH_EXTENSIONS_DIR "
+                "to a writable directory)")
 
 
 @dataclass

@@ -76,7 +76,8 @@ def _likely_fix(output: str, is_cuda: bool) -> str:
                 "CUDA toolkit under CUDA_HOME; for Python.h, the python3-dev package)")
     if "unsupported gpu architecture" in low or "unsupported arch" in low:
         return "set TORCH_CUDA_ARCH_LIST to architectures your nvcc supports (e.g. 9.0 for H100/H200)"
-    if "permission denied" in low:
+    if any(m in low for m in ("permission denied", "operation not permitted", "read-only file system",
+                               "not a directory")):
         return "set TORCH_EXTENSIONS_DIR to a writable directory"
     if "undefined symbol" in low:
         return ("the module was built against another torch version: remove the stale build "
@@ -136,7 +137,10 @@ class LoongForgeBuilderMixin:
         """True when a JIT build of this op already sits in torch's extension cache."""
         from torch.utils.cpp_extension import _get_build_directory
 
-        build_dir = Path(_get_build_directory(self.NAME, verbose=False))
+        try:
+            build_dir = Path(_get_build_directory(self.NAME, verbose=False))  # creates the folder
+        except OSError:  # a cache folder that cannot be created holds nothing; a build says why
+            return False
         return any(build_dir.glob(f"{self.NAME}*.so"))
 
     def load(self, verbose: bool = False):
@@ -198,7 +202,10 @@ class LoongForgeBuilderMixin:
                               verbose=verbose)
             except (RuntimeError, OSError, subprocess.CalledProcessError, ImportError) as err:
                 output = str(err)
-                raise OpBuildError(self.NAME, f"{type(err).__name__} during the JIT build",
+                reason = f"{type(err).__name__} during the JIT build"
+                if isinstance(err, OSError):  # the cache not writable: one line, shown where the tail is not
+                    reason += f" ({err})"
+                raise OpBuildError(self.NAME, reason,
                                    _likely_fix(output, self.is_cuda_op), _tail(output)) from err
             finally:
                 self.jit_mode = saved_jit_mode

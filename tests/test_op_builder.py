@@ -71,6 +71,24 @@ def test_broken_source_gives_op_name_compiler_lines_and_fix(tmp_path, monkeypatc
     assert "fix:" in message
 
 
+def test_unwritable_extensions_dir_names_the_fix(tmp_path, monkeypatch):
+    """A TORCH_EXTENSIONS_DIR that cannot be written (read-only, not a folder) fell back with "PermissionError
+    during the JIT build. Fix: read the compiler lines below; check that the C++ compiler ...", naming neither the
+    folder nor the fix, and loongforge_report (and --verify) died in a traceback from the "JIT-cached" column."""
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "ext"  # a path under a regular file: unwritable even for root
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(bad))
+    builder = _broken_builder(tmp_path, "")
+    assert not builder.jit_cached()
+    with pytest.raises(OpBuildError) as info:
+        builder.load()
+    assert str(bad) in info.value.reason and "TORCH_EXTENSIONS_DIR to a writable directory" in info.value.fix
+    out = subprocess.run([sys.executable, "-m", "ds_loongforge.report"], capture_output=True, text=True,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(bad)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cannot be written" in out.stdout and "set TORCH_EXTENSIONS_DIR to a writable directory" in out.stdout
+
+
 def test_missing_ninja_says_install_ninja(tmp_path, monkeypatch):
     import torch.utils.cpp_extension as cpp_extension
 
