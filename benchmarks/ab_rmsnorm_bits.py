@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Timer, measure_copy_bandwidth, new_and_old_builds, other_tree_builder
+from benchmarks.harness import Timer, measure_copy_bandwidth, new_and_old_builds, other_tree_builder, require_cuda
 from ds_loongforge.op_builder import FusedRMSNormBuilder
 
 
@@ -95,6 +95,7 @@ def main():
     parser.add_argument("--time", action="store_true", help="also time both builds' backward at the e2e shapes")
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
+    require_cuda("benchmarks/ab_rmsnorm_bits.py")
     mods = new_and_old_builds(FusedRMSNormBuilder, OldRMSNormBuilder, args.old_csrc, "rmsnorm/rmsnorm.cu",
                               "ab_rmsnorm_bits")
     new, old = mods["new"], mods["old"]

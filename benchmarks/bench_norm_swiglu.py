@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Row, Timer, environment, finish_rows, measure_copy_bandwidth, write_results
+from benchmarks.harness import Row, Timer, environment, finish_rows, measure_copy_bandwidth, write_results, require_cuda
 from ds_loongforge.ops import fused_rmsnorm, swiglu_dropout
 from ds_loongforge.ops.numerics import hf_rmsnorm_eager
 
@@ -123,6 +123,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--name", default="bench_norm_swiglu")
     args = parser.parse_args()
+    require_cuda("benchmarks/bench_norm_swiglu.py")
     torch.manual_seed(0)
     timer = Timer(warmup=10, repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)

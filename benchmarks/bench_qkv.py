@@ -17,7 +17,7 @@ import copy
 import torch
 from torch import nn
 
-from benchmarks.harness import Row, Timer, environment, measure_copy_bandwidth, write_results
+from benchmarks.harness import Row, Timer, environment, measure_copy_bandwidth, write_results, require_cuda
 from ds_loongforge.modules.qkv import fuse_qkv
 
 # (name, tokens, hidden, q_out, kv_out)
@@ -39,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
+    require_cuda("benchmarks/bench_qkv.py")
     timer = Timer(repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)
     rows, notes = [], []

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Timer, build_variants, environment, flag_variant_builders, measure_copy_bandwidth
+from benchmarks.harness import require_cuda
 from ds_loongforge.op_builder import FusedAdamWClipBuilder
 
 PARAMS = 1_844_000_000  # the e2e mixtral model (28137 chunks of 65536 in its trace)
@@ -137,6 +138,7 @@ def main():
     parser.add_argument("--burst-ms", type=float, default=40.0, help="GEMM time before each 'after GEMMs' call")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    require_cuda("benchmarks/diagnose_adamw.py")
 
     modules = build_all(args.variants)
     same = check_bits(modules)

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from benchmarks.harness import (Timer, ab_parser, environment, measure_copy_bandwidth, new_and_old_builds,
-                                other_tree_builder)
+                                other_tree_builder, require_cuda)
 from ds_loongforge.op_builder import FusedCrossEntropyBuilder
 from ds_loongforge.ops.numerics import cross_entropy_checks
 
@@ -58,6 +58,7 @@ def errors(module, logits: torch.Tensor, grad_dtype) -> dict:
 
 def main() -> int:
     args = ab_parser(__doc__).parse_args()
+    require_cuda("benchmarks/diagnose_cross_entropy.py")
     builds = new_and_old_builds(FusedCrossEntropyBuilder, OldCrossEntropyBuilder, args.old_csrc,
                                 "cross_entropy/cross_entropy.cu", "diagnose_cross_entropy")
 

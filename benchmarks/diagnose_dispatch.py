@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Timer, build_variants, environment, flag_variant_builders, measure_copy_bandwidth
+from benchmarks.harness import require_cuda
 from ds_loongforge.op_builder import MoEDispatchBuilder
 
 # (name, tokens, hidden, experts, top_k): launch/train.py's e2e presets, 4 x 2048 tokens
@@ -76,6 +77,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    require_cuda("benchmarks/diagnose_dispatch.py")
     modules = build_all(args.variants)
     timer = Timer(warmup=5, repeats=args.repeats)
     copy_gbps = measure_copy_bandwidth(timer)

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.diagnose_moe import captured as captured_fn
 from benchmarks.diagnose_moe import graph_vs_eager
-from benchmarks.harness import Timer
+from benchmarks.harness import Timer, require_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
@@ -226,6 +226,7 @@ def main():
     parser = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--levers", default="overlap,graph", help=f"comma-separated, of {sorted(LEVERS)}")
     args = parser.parse_args()
+    require_cuda("benchmarks/diagnose_e2e_levers.py")
     levers = args.levers.split(",")
     unknown = sorted(set(levers) - set(LEVERS))
     if unknown:

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Timer, environment
+from benchmarks.harness import Timer, environment, require_cuda
 from ds_loongforge.ops.moe_dispatch import expert_gemm_stats, expert_linear_backward
 from ds_loongforge.ops.numerics import skewed_counts
 from ds_loongforge.profiler import nvml_errors
@@ -348,6 +348,7 @@ def main() -> None:
     parser.add_argument("--algo-rows", default=None, metavar="LO:HI",
                         help="--algo-map's row counts (default: half to three times each shape's mean)")
     args = parser.parse_args()
+    require_cuda("benchmarks/diagnose_grouped_gemm.py")
     rows_range = algo_rows(args.algo_rows) if args.algo_rows else None
     wanted = args.shapes.split(",")
     if args.algo_map:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_moe import DTYPE, SHAPES, build_ours, make_input, make_weights
-from benchmarks.harness import Timer, smi_samples
+from benchmarks.harness import Timer, smi_samples, require_cuda
 from ds_loongforge.diagnostics import format_kernel_timeline
 
 
@@ -100,6 +100,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    require_cuda("benchmarks/diagnose_moe.py")
     shape = SHAPES[args.shape]
     w = make_weights(shape, torch.device("cuda"))
     x, _ = make_input(shape, w.gate_EH, torch.device("cuda"))

@@ -27,7 +27,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks import diagnose_e2e_levers as levers
-from benchmarks.harness import Timer
+from benchmarks.harness import Timer, require_cuda
 from ds_loongforge.profiler import nvml_errors
 
 
@@ -96,6 +96,7 @@ def main():
     parser.add_argument("--energy-blocks", type=int, default=6)
     parser.add_argument("--energy-calls", type=int, default=10)
     args = parser.parse_args()
+    require_cuda("benchmarks/diagnose_residual.py")
     models, ids = build(args.model, args.seq_len, args.micro_batch)
     fns = {name: step_fn(model, ids) for name, model in models.items()}
     result: dict = {"model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,

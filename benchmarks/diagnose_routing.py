@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Timer, ab_parser, environment, new_and_old_builds, other_tree_builder
+from benchmarks.harness import Timer, ab_parser, environment, new_and_old_builds, other_tree_builder, require_cuda
 from ds_loongforge.op_builder import MoEDispatchBuilder
 from ds_loongforge.ops.moe_dispatch import routing_indices_reference
 
@@ -40,6 +40,7 @@ SHAPES = [
 
 def main() -> int:
     args = ab_parser(__doc__).parse_args()
+    require_cuda("benchmarks/diagnose_routing.py")
     builds = new_and_old_builds(MoEDispatchBuilder, OldMoEDispatchBuilder, args.old_csrc,
                                 "moe_dispatch/moe_routing.cu", "diagnose_routing")
 

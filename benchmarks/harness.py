@@ -188,6 +188,13 @@ def build_variants(builders: dict[str, type], variants: list[str], who: str) -> 
     return {v: modules[builders[v].NAME] for v in variants}
 
 
+def require_cuda(script: str) -> None:
+    """A GPU-only script's first step after its options: on a machine without a CUDA device, exit with a line that
+    says so (not a CUDA-initialisation traceback, or minutes of CUDA builds that end in one)."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} measures CUDA kernels and needs a CUDA GPU; none is visible here")
+
+
 def ab_parser(doc: str, repeats: int = 50) -> argparse.ArgumentParser:
     """The before/after scripts' options (described by the first line of ``doc``): --old-csrc (another tree's
     csrc/, built and run beside this one), --repeats and --out (a JSON path)."""

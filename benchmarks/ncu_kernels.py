@@ -13,15 +13,20 @@ and the cross-entropy chunk (2048 x 32000 bf16 logits), which was issue-bound be
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from benchmarks.diagnose_dispatch import SHAPES, inputs, ops
+from benchmarks.harness import require_cuda
 from ds_loongforge.op_builder import FusedCrossEntropyBuilder, FusedRMSNormBuilder, MoEDispatchBuilder
 
 CE_ROWS, VOCAB = 2048, 32000  # one chunk of the e2e LM head's loss
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
+    require_cuda("benchmarks/ncu_kernels.py")
     dispatch, norm, ce = (b().load() for b in (MoEDispatchBuilder, FusedRMSNormBuilder, FusedCrossEntropyBuilder))
     _, tokens, hidden, experts, top_k = SHAPES[0]  # the e2e mixtral shape
     dout, y, slot, weights = inputs(tokens, hidden, experts, top_k, dispatch)

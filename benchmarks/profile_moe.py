@@ -9,6 +9,7 @@ import argparse
 import torch
 
 from benchmarks.bench_moe import SHAPES, VARIANTS, make_weights
+from benchmarks.harness import require_cuda
 from benchmarks.profile_ops import kernels_of
 
 
@@ -17,6 +18,7 @@ def main():
     parser.add_argument("--shapes", default="mixtral_like,fine_grained")
     parser.add_argument("--variants", default="ours,ours (per-expert GEMM loop),HF grouped_mm")
     args = parser.parse_args()
+    require_cuda("benchmarks/profile_moe.py")
     device = torch.device("cuda")
     for name in args.shapes.split(","):
         shape = SHAPES[name]

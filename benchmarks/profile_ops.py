@@ -4,10 +4,13 @@ variant's time goes when its benchmark row disappoints.
     python -m benchmarks.profile_ops
 """
 
+import argparse
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_norm_swiglu import _swiglu_eager
+from benchmarks.harness import require_cuda
 from ds_loongforge.ops import fused_rmsnorm, swiglu_dropout
 
 
@@ -31,6 +34,8 @@ def kernels_of(fn, label, iters=5):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
+    require_cuda("benchmarks/profile_ops.py")
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)

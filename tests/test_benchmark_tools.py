@@ -201,3 +201,30 @@ def test_overlap_warm_up_runs_the_load_for_the_time_asked(monkeypatch):
     assert waits == [100.25, 100.5, 100.75, 101.0]  # one GPU wait after each call, before the clock decides
     assert diagnose_overlap.warm_up(work, 0.0) == 1  # always at least one call
     assert diagnose_overlap.warm_up(work, 0.3) == 2
+
+
+GPU_ONLY = ["ab_rmsnorm_bits", "bench_norm_swiglu", "bench_qkv", "diagnose_adamw", "diagnose_cross_entropy",
+            "diagnose_dispatch", "diagnose_e2e_levers", "diagnose_grouped_gemm", "diagnose_moe", "diagnose_residual",
+            "diagnose_routing", "profile_moe", "profile_ops", "ncu_kernels"]
+
+
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_gpu_only_scripts_answer_help_and_say_they_need_a_gpu(name, monkeypatch, capsys):
+    """On a machine without a GPU these died in a CUDA-initialisation traceback, or in "builds failed ... set
+    TORCH_CUDA_ARCH_LIST" (with it set: after minutes of CUDA builds); profile_ops and ncu_kernels took --help as a
+    run. Each now answers --help and exits with a line naming the GPU it needs."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr("sys.argv", [name, "--help"])
+    with pytest.raises(SystemExit) as info:
+        module.main()
+    assert info.value.code == 0 and "usage:" in capsys.readouterr().out
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setattr("sys.argv", [name] + (["--old-csrc", "csrc"] if name == "ab_rmsnorm_bits" else []))
+    with pytest.raises(SystemExit) as info:
+        module.main()
+    assert "needs a CUDA GPU" in str(info.value.code)
