@@ -40,7 +40,7 @@ def prebuilt_extensions():
     build_all = os.environ.get("LF_BUILD_OPS") == "1"
     sys.path.insert(0, ROOT)
     try:
-        from op_builder.builder import all_builders
+        from op_builder.builder import all_builders, visible_gpu_archs
     except ImportError as err:
         if build_all or any(k.startswith("LF_BUILD_") and v == "1" for k, v in os.environ.items()):
             raise RuntimeError(
@@ -55,6 +55,10 @@ def prebuilt_extensions():
             continue
         if not builder.is_compatible(verbose=True):
             print(f"[ds_loongforge] not prebuilding {builder.NAME}: {builder.error_log}")
+            continue
+        if builder.is_cuda_op and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() and not visible_gpu_archs():
+            print(f"[ds_loongforge] not prebuilding {builder.NAME}: no GPU is visible and TORCH_CUDA_ARCH_LIST is "
+                  "unset, so the target architecture is unknown (set it, e.g. TORCH_CUDA_ARCH_LIST=9.0)")
             continue
         ext = builder.builder()
         ext.sources = [os.path.relpath(s, ROOT) for s in ext.sources]

@@ -328,6 +328,11 @@ class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
             # visible GPUs), and it understands arch-specific entries such as "9.0a" that DeepSpeed 0.19's
             # parser rejects with a ValueError.
             return []
+        if cross_compile_archs is None and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+            # a prebuild (setup.py) without TORCH_CUDA_ARCH_LIST: DeepSpeed 0.19 would target its default list,
+            # "6.0;6.1;7.0" under CUDA 13, whose nvcc rejects all three; build for the visible GPUs, as a JIT
+            # build does (setup.py does not prebuild a CUDA op when there are none)
+            cross_compile_archs = ";".join(visible_gpu_archs()) or None
         return super().compute_capability_args(cross_compile_archs)
 
     def cxx_args(self):
@@ -335,6 +340,15 @@ class LFCUDAOpBuilder(LoongForgeBuilderMixin, CUDAOpBuilder):
 
     def nvcc_args(self):
         return super().nvcc_args() + ["-DLF_WITH_CUDA", "--expt-relaxed-constexpr"]
+
+
+def visible_gpu_archs() -> list[str]:
+    """The compute capabilities ("9.0") of the visible CUDA devices, each once; [] without any."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
 
 
 def _build_in_child(module_name: str, class_name: str) -> tuple[str, str, str] | None:

@@ -253,6 +253,34 @@ def test_setup_py_prebuilds_an_op_that_load_imports(tmp_path):
     assert out.stdout.strip().splitlines()[-1].startswith(str(built[0].parent))
 
 
+def test_prebuild_without_arch_list_targets_the_visible_gpus(monkeypatch):
+    """LF_BUILD_OPS=1 pip install without TORCH_CUDA_ARCH_LIST (documented as needed only without a visible GPU)
+    compiled the CUDA ops for DeepSpeed 0.19's default archs, 6.0;6.1;7.0 under CUDA 13, which nvcc 13 rejects
+    ("Unsupported gpu architecture 'compute_60'"): the install failed, with a GPU or without."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    builder = FusedRMSNormBuilder()
+    builder.jit_mode = False
+    args = builder.compute_capability_args()
+    assert args and all("compute_90" in a for a in args) and not any("compute_60" in a for a in args), args
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")  # the user's list still wins
+    assert all("compute_80" in a for a in builder.compute_capability_args())
+
+
+def test_setup_py_without_gpu_or_arch_list_skips_the_cuda_ops_and_says_why(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the CUDA ops are prebuilt for it")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_ARCH_LIST"}
+    out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env={**env, "LF_BUILD_RMSNORM": "1"},
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "] prebuilding lf_fused_rmsnorm_cpu\n" in out.stdout and "] prebuilding lf_fused_rmsnorm\n" not in out.stdout
+    why = out.stdout.split("not prebuilding lf_fused_rmsnorm: ")[1].splitlines()[0]
+    assert "TORCH_CUDA_ARCH_LIST is unset" in why or not FusedRMSNormBuilder().is_compatible(), why
+
+
 @pytest.mark.cuda_build
 def test_cuda_ops_compile():
     """nvcc compiles the CUDA ops (they cannot run without a GPU; the gpu-marked tests run them)."""
