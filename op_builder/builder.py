@@ -351,8 +351,11 @@ def visible_gpu_archs() -> list[str]:
     return sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
 
 
-def _build_in_child(module_name: str, class_name: str) -> tuple[str, str, str] | None:
-    """Runs in a spawned process: JIT-build one op into the shared cache; the error's fields on failure."""
+def _build_in_child(module_name: str, class_name: str, jobs: int | None = None) -> tuple[str, str, str] | None:
+    """Runs in a spawned process: JIT-build one op into the shared cache (with ``jobs`` compilers at once, torch's
+    MAX_JOBS, unless the user set it); the error's fields on failure."""
+    if jobs is not None and not os.environ.get("MAX_JOBS"):
+        os.environ["MAX_JOBS"] = str(jobs)
     builder = getattr(importlib.import_module(module_name), class_name)()
     try:
         builder.jit_build()
@@ -361,12 +364,24 @@ def _build_in_child(module_name: str, class_name: str) -> tuple[str, str, str] |
     return None
 
 
+def build_plan(pending: int, cpus: int | None = None, max_parallel: int | None = None) -> tuple[int, int]:
+    """(ops built at once, compilers each op's ninja runs at once) for ``pending`` cold ops on ``cpus`` cores:
+    at most one op per core, and about cores + 2 compilers in all (ninja's default for one build). Each ninja
+    alone would start cores + 2 (torch's default MAX_JOBS): ten ops on 2 cores were ~30 compilers at up to ~1 GB
+    each, past a small machine's memory."""
+    cpus = max(1, cpus or os.cpu_count() or 1)
+    workers = max(1, min(pending, max_parallel or cpus))
+    return workers, max(1, -(-(cpus + 2) // workers))
+
+
 def build_ops(builders: list, max_parallel: int | None = None) -> dict[str, object]:
     """Build several ops at once and load them: ``{NAME: module or OpBuildError}``.
 
     Ops that are neither prebuilt nor in the JIT cache are compiled concurrently, each in its own
     spawned process (one ninja per op), so a cold start costs the slowest op rather than the sum; the
-    modules are then imported here from the cache. An op that fails does not stop the others.
+    modules are then imported here from the cache. An op that fails does not stop the others. At most one op per
+    core builds at a time (``max_parallel`` overrides), sharing about cores + 2 compilers (:func:`build_plan`;
+    a MAX_JOBS in the environment wins).
     """
     pending = [b for b in builders if b.prebuilt_module() is None and not b.jit_cached()
                and b.compatibility_problem() is None]
@@ -376,8 +391,9 @@ def build_ops(builders: list, max_parallel: int | None = None) -> dict[str, obje
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if len(pending) > 1 and (main_file is None or os.path.exists(main_file)):
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max_parallel or len(pending), mp_context=context) as pool:
-            futures = {b.NAME: pool.submit(_build_in_child, type(b).__module__, type(b).__qualname__)
+        workers, jobs = build_plan(len(pending), max_parallel=max_parallel)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = {b.NAME: pool.submit(_build_in_child, type(b).__module__, type(b).__qualname__, jobs)
                        for b in pending}
             for name, future in futures.items():
                 error = future.result()

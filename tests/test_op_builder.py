@@ -307,6 +307,29 @@ def test_cuda_ops_compile():
         assert builder.jit_cached() or builder.prebuilt_module() is not None
 
 
+def test_build_plan_bounds_the_compilers_by_the_cores(monkeypatch):
+    """Ten cold ops on 2 cores ran ten ninjas of cores + 2 jobs each (~30 compilers, past a small machine's
+    memory): build_ops builds at most one op per core with about cores + 2 compilers in all, a user's MAX_JOBS
+    wins in the child."""
+    from ds_loongforge.op_builder.builder import _build_in_child, build_plan
+
+    assert build_plan(10, cpus=2) == (2, 2)
+    assert build_plan(10, cpus=16) == (10, 2)
+    assert build_plan(3, cpus=16) == (3, 6)
+    assert build_plan(10, cpus=16, max_parallel=4) == (4, 5)
+    assert build_plan(1, cpus=1) == (1, 3)
+    for user, expected in ((None, "2"), ("7", "7")):
+        if user is None:
+            monkeypatch.delenv("MAX_JOBS", raising=False)
+        else:
+            monkeypatch.setenv("MAX_JOBS", user)
+        seen = {}
+        monkeypatch.setattr(FusedRMSNormCPUBuilder, "jit_build",
+                            lambda self: seen.setdefault("jobs", os.environ["MAX_JOBS"]))
+        assert _build_in_child(FusedRMSNormCPUBuilder.__module__, FusedRMSNormCPUBuilder.__qualname__, 2) is None
+        assert seen["jobs"] == expected
+
+
 @pytest.mark.slow
 def test_build_ops_builds_concurrently_and_isolates_a_failure(tmp_path, monkeypatch):
     """build_ops compiles cold ops in parallel processes, loads them, and reports a broken op by itself."""
