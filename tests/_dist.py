@@ -13,6 +13,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_cpu_rank(rank: int, world: int, port: int) -> None:
+    """This spawned process as rank ``rank`` of ``world`` DeepSpeed CPU ranks over gloo, one thread each,
+    DeepSpeed's logger at warnings."""
+    import logging
+    import os
+
+    import deepspeed
+    import torch
+
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
 def _run_then_leave(rank: int, fn, *args) -> None:
     """``fn(rank, *args)``, then out of the process without the interpreter's teardown once it has returned: with
     a gloo process group up, that teardown aborted a worker after its work was done and saved ("terminate called

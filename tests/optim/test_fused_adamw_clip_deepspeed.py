@@ -4,8 +4,6 @@ whole global batch, with two parameter groups, one step whose gradients are nan 
 checkpoint whose resumed next step is bitwise identical. Also the config plumbing and its errors (single
 process, no dist)."""
 
-import logging
-import os
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import deepspeed  # noqa: E402  (an install requirement: a missing one must fail
 
 from ds_loongforge.optim import (FusedAdamWClip, deepspeed_config_for, deepspeed_optimizer,  # noqa: E402
                                  uses_fused_adamw_clip)
-from tests._dist import spawn_with_deadline  # noqa: E402
+from tests._dist import init_cpu_rank, spawn_with_deadline  # noqa: E402
 
 IN, HID, OUT = 8, 16, 4
 ROWS = 6           # per rank and step
@@ -77,11 +75,7 @@ def _config(stage: int, by_block: bool = False, bf16: bool = False) -> dict:
 
 
 def _worker(rank, world, port, seed, out_dir):
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_cpu_rank(rank, world, port)
     from ds_loongforge.optim import initialize
 
     batches = _batches(world, seed)
@@ -371,11 +365,7 @@ ACCUMULATION = 2  # micro-steps per optimizer step
 def _in_place_worker(rank, world, port, seed, out_dir):
     """One process, gradient accumulation over 2 micro-steps: each (stage, bf16, overlap_comm) run with the
     gradients read where autograd wrote them, and again with DeepSpeed's copies restored."""
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_cpu_rank(rank, world, port)
     from ds_loongforge.optim import initialize
     from ds_loongforge.optim.ds_integration import restore_gradient_copies
 
@@ -472,11 +462,7 @@ def record_update_lrs(optimizer: FusedAdamWClip) -> list[list[float]]:
 def _schedule_worker(rank, world, port, seed, out_dir):
     """Each run twice: on every batch, with the nan step in the middle, and on the batches without that step;
     the lr of every update, the parameters after each step and the schedule's state at the end."""
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_cpu_rank(rank, world, port)
     batches = [(x[0], target[0]) for x, target in _batches(1, seed)]
     clean = batches[:NAN_STEP] + batches[NAN_STEP + 1:]
     results = {}
@@ -540,11 +526,7 @@ def _elastic_worker(rank, world, port, seed, out_dir, mode):
     the end and takes the last step; "load" loads that checkpoint and takes the last step.
     Each records its optimizer partitions (fp32 masters, moments, step) without the padding, right after the save or
     the load."""
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_cpu_rank(rank, world, port)
     from ds_loongforge.optim import initialize
 
     config = _config(2, bf16=True)
@@ -621,11 +603,7 @@ def test_bf16_with_fp32_gradient_accumulation_below_zero_2_is_refused_before_any
 
 
 def _fp32_accumulation_worker(rank, world, port, seed, out_dir):
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_cpu_rank(rank, world, port)
     from ds_loongforge.optim import initialize
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -667,11 +645,7 @@ def test_bf16_zero_2_with_fp32_gradient_accumulation_steps_on_the_fp32_gradients
 
 
 def _step_applied_worker(rank, world, port, out_dir):
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_cpu_rank(rank, world, port)
     from ds_loongforge.optim import initialize
 
     g = torch.Generator().manual_seed(5)
