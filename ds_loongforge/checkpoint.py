@@ -636,39 +636,36 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
             and unsharded == bool(_expert_files(folder))):
         return _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states,
                                      load_module_only, kwargs, into_sharded=sharded)
-    if (saved_here and _wants_optimizer_state(engine, load_optimizer_states, load_module_only)
-            and _saved_with_other_mlp_params(engine, folder)):
-        # DeepSpeed's load would refuse the partitions ("parameter-alignment layout does not match"): the weights
-        # load by name (the fused MLP's state dict has the stock keys), the optimizer state is rebuilt per parameter
-        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
-        if result[0] is not None:
-            saved = SavedOptimizer(folder)
-            load_saved_optimizer_state(engine, saved)
-            fused = any(split_mlp_part(name, saved.shapes) for name in engine.optimizer.param_names.values())
-            logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: fp32 "
-                        "masters and Adam moments rebuilt from the saved partitions", folder,
-                        *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")))
-            check_masters_match_weights(engine, folder)
-        return result
+    wants_optimizer = _wants_optimizer_state(engine, load_optimizer_states, load_module_only)
+    # saved with the MLPs' gate_proj and up_proj where this engine has one gate_up_proj, or the other way: DeepSpeed's
+    # load would refuse the partitions ("parameter-alignment layout does not match"); the weights load by name (the
+    # fused MLP's state dict has the stock keys), the optimizer state is rebuilt per parameter below
+    mlp_renamed = saved_here and wants_optimizer and _saved_with_other_mlp_params(engine, folder)
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, folder)
-    if not (saved_here and sharded and _wants_optimizer_state(engine, load_optimizer_states, load_module_only)):
+    if not (mlp_renamed or (saved_here and sharded and wants_optimizer)):
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
                         load_module_only=load_module_only, **kwargs)
     saved = SavedOptimizer(folder)
     lp_groups = _lp_groups(engine.optimizer)
-    if _this_layout_matches(engine, saved, lp_groups):
+    if not mlp_renamed and _this_layout_matches(engine, saved, lp_groups):
         result = original(engine, load_dir, tag, load_optimizer_states=True, load_module_only=False, **kwargs)
     else:
         result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
         if result[0] is not None:
             load_saved_optimizer_state(engine, saved)
-            expert_groups = sorted({ep for ep, _, _ in saved.expert_layout.values()})
-            logger.info("[LoongForge] %s: saved by %d ranks (expert groups at ep_size %s%s), loaded at %d ranks: "
-                        "fp32 masters and Adam moments rebuilt from the saved partitions", folder, saved.world,
-                        expert_groups or "-", ", data before expert parallelism" if saved.before else "",
-                        torch.distributed.get_world_size())
+            if mlp_renamed:
+                fused = any(split_mlp_part(name, saved.shapes) for name in engine.optimizer.param_names.values())
+                logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: "
+                            "fp32 masters and Adam moments rebuilt from the saved partitions", folder,
+                            *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")))
+            else:
+                expert_groups = sorted({ep for ep, _, _ in saved.expert_layout.values()})
+                logger.info("[LoongForge] %s: saved by %d ranks (expert groups at ep_size %s%s), loaded at %d ranks: "
+                            "fp32 masters and Adam moments rebuilt from the saved partitions", folder, saved.world,
+                            expert_groups or "-", ", data before expert parallelism" if saved.before else "",
+                            torch.distributed.get_world_size())
     if result[0] is not None:
         check_masters_match_weights(engine, folder)
     return result

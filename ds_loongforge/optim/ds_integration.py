@@ -180,7 +180,7 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
         for group in params:  # as torch's add_param_group makes them (a generator would be spent by the check)
             if isinstance(group, dict) and not isinstance(group.get("params"), (list, torch.Tensor)):
                 group["params"] = list(group["params"])
-        if not any(not isinstance(group, dict) or isinstance(group["params"], torch.Tensor) or len(group["params"])
+        if not any(not isinstance(group, dict) or isinstance(group["params"], torch.Tensor) or group["params"]
                    for group in params):
             # a frozen model (a reference or teacher model built from the training config): nothing to optimize,
             # and FusedAdamWClip refused the empty list; DeepSpeed builds what it builds for it

@@ -219,7 +219,8 @@ def test_rmsnorm_residual_on_another_device_is_an_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (the device machine lends one; a multi-GPU kind runs it)")
 def test_rmsnorm_cuda_tensors_on_another_device_are_refused():
     from ds_loongforge.op_builder import FusedRMSNormBuilder
 
