@@ -166,15 +166,7 @@ class SavedOptimizer:
         global experts of an expert parameter, in fp32. An MLP's ``gate_up_proj`` saved as ``gate_proj`` and
         ``up_proj`` (a run without LoongForge's fused MLP) is their rows joined; the other way, each is its half."""
         if name not in self.shapes:
-            fused = fused_mlp_parts(name, self.shapes)
-            if fused is not None:
-                return torch.cat([self.tensor(part, key) for part in fused])
-            split = split_mlp_part(name, self.shapes)
-            if split is not None:
-                whole, half = split
-                return self.tensor(whole, key).chunk(2)[half]
-            raise CheckpointLayoutError(f"{self.folder}: the checkpoint's optimizer holds no parameter named {name} "
-                                        "(saved from another model?)")
+            return _other_mlp_layout(self, name, key)
         group, shape = self.shapes[name]
         if group not in self.expert_layout:  # a dense parameter, or experts saved unsharded (every one everywhere)
             whole = self._fragments(group, list(range(self.world)), name, key)
@@ -200,6 +192,21 @@ class SavedOptimizer:
         return torch.cat(parts)
 
 
+def _other_mlp_layout(saved, name: str, key: str) -> torch.Tensor:
+    """``saved.tensor(name, key)`` for a parameter the checkpoint holds in the other MLP layout: an MLP's
+    ``gate_up_proj`` saved as ``gate_proj`` and ``up_proj`` (a run without LoongForge's fused MLP) is their rows
+    joined; the other way, each is its half."""
+    fused = fused_mlp_parts(name, saved.shapes)
+    if fused is not None:
+        return torch.cat([saved.tensor(part, key) for part in fused])
+    split = split_mlp_part(name, saved.shapes)
+    if split is not None:
+        whole, half = split
+        return saved.tensor(whole, key).chunk(2)[half]
+    raise CheckpointLayoutError(f"{saved.folder}: the checkpoint's optimizer holds no parameter named {name} "
+                                "(saved from another model?)")
+
+
 def fused_mlp_parts(name: str, saved: dict) -> list[str] | None:
     """``[<mlp>.gate_proj.<leaf>, <mlp>.up_proj.<leaf>]`` for ``<mlp>.gate_up_proj.<leaf>`` (FusedSwiGLUMLP, rows
     [gate; up]) when both are in ``saved``; else None."""
@@ -221,15 +228,17 @@ def split_mlp_part(name: str, saved: dict) -> tuple[str, int] | None:
     return None
 
 
-def _saved_with_other_mlp_params(engine, folder: str) -> bool:
+def _saved_with_other_mlp_params(engine, folder: str, model_file: str | None = None) -> bool:
     """Whether the checkpoint holds an MLP's gate and up projections as this engine does not: one gate_up_proj
     where the engine has gate_proj and up_proj, or the other way (saved with LoongForge's fused MLP on and loaded
     with it off, or saved by stock DeepSpeed and loaded with LoongForge). DeepSpeed's flat ZeRO partitions then
-    hold the same parameters under other names and boundaries, and its own load refuses them."""
-    from ds_loongforge.export import CheckpointExportError, _model_states
+    hold the same parameters under other names and boundaries: at ZeRO-1/2 its own load refuses them, at ZeRO-3 it
+    copies each rank's partition as it is, so the MLPs' masters and moments become other rows' (``model_file``:
+    the ZeRO-3 model file, whose ``param_shapes`` name the parameters)."""
+    from ds_loongforge.export import CheckpointExportError, _load, _model_states
 
     try:
-        states = _model_states(folder)
+        states = _model_states(folder) if model_file is None else _load(os.path.join(folder, model_file))
     except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
         return False
     saved = {name for shapes in states.get("param_shapes") or [] for name in shapes}
@@ -313,6 +322,174 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     optimizer._load_global_state(saved.optim(0))
     optimizer._hp_optimizer_states_linked = False  # the fragments of the new moments, as after a step
     optimizer._lazy_init_hp_params_optimizer_state()
+
+
+ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # DeepSpeedEngine._get_ckpt_name under ZeRO-3
+
+
+class SavedZero3:
+    """The ZeRO-3 files of one saved step: each trainable parameter's fp32 master and Adam moments, whole, cut out
+    of the ranks' partitions as DeepSpeed's ``zero_to_fp32`` cuts the masters. ZeRO-3 partitions every parameter on
+    its own, ``ceil(numel / world)`` elements a rank (the last rank's padded), one after another in the model
+    file's ``param_shapes`` order within each optimizer sub-group (``fp32_flat_groups[i]``, whose moments are the
+    base optimizer's state ``i``). Memory-mapped: one parameter is materialised at a time."""
+
+    def __init__(self, folder: str):
+        from ds_loongforge.export import _load, _zero_files
+
+        self.folder = folder
+        states = _load(os.path.join(folder, ZERO3_MODEL_FILE))
+        self.world = int(states["dp_world_size"])
+        self.buffers = {name: states["module"][name] for name in states.get("buffer_names") or []
+                        if name in states["module"]}
+        self._files, self._optim = _zero_files(folder, self.world), {}
+        if not self._files:
+            raise CheckpointLayoutError(f"{folder} holds no ZeRO optimizer files (*_optim_states.pt)")
+        sizes = [flat.numel() for flat in self.optim(0)["fp32_flat_groups"]]
+        param_shapes = states["param_shapes"]
+        if len(param_shapes) != len(sizes):
+            raise CheckpointLayoutError(f"{folder}: {len(param_shapes)} saved parameter groups for {len(sizes)} "
+                                        "optimizer partitions; DeepSpeed's ZeRO-3 saves one for each")
+        self.shapes: dict[str, tuple[int, int, int, torch.Size]] = {}  # name -> (sub-group, offset, per rank, shape)
+        for g, (shapes, size) in enumerate(zip(param_shapes, sizes)):
+            at = 0
+            for name, shape in shapes.items():
+                shape = torch.Size(shape)
+                per_rank = -(-shape.numel() // self.world)
+                self.shapes[name] = (g, at, per_rank, shape)
+                at += per_rank
+            if at != size:
+                raise CheckpointLayoutError(f"{folder}: optimizer partition {g} holds {size} elements a rank, its "
+                                            f"parameters {at}: it cannot be cut per parameter")
+
+    def optim(self, rank: int) -> dict:
+        if rank not in self._optim:
+            from ds_loongforge.export import _load
+
+            self._optim[rank] = _load(self._files[rank])["optimizer_state_dict"]
+        return self._optim[rank]
+
+    def step(self):
+        """The base optimizer's step count (None before the first step), the same in every sub-group and rank."""
+        states = [state for rank in range(self.world)
+                  for state in self.optim(rank)["optimizer_state_dict"]["state"].values()]
+        steps = {None if "step" not in state else float(state["step"]) for state in states}
+        if len(steps) > 1:
+            raise CheckpointLayoutError(f"{self.folder}: the saved optimizer partitions have taken different numbers "
+                                        f"of steps ({sorted(steps, key=str)})")
+        return next((state["step"] for state in states if "step" in state), None)
+
+    def tensor(self, name: str, key: str) -> torch.Tensor:
+        """A parameter's saved ``key`` ('fp32', 'exp_avg', 'exp_avg_sq'), whole, in fp32 (an MLP saved in the other
+        layout: ``_other_mlp_layout``)."""
+        if name not in self.shapes:
+            return _other_mlp_layout(self, name, key)
+        g, at, per_rank, shape = self.shapes[name]
+        pieces = []
+        for rank in range(self.world):
+            optim = self.optim(rank)
+            flat = optim["fp32_flat_groups"][g] if key == "fp32" else optim["optimizer_state_dict"]["state"][g][key]
+            pieces.append(flat.narrow(0, at, per_rank))
+        return torch.cat(pieces)[:shape.numel()].view(shape).float()
+
+
+@torch.no_grad()
+def load_zero3_state(engine, saved: SavedZero3, moments: bool) -> None:
+    """Every fp32 master of ``engine``'s ZeRO-3 partitions (and, with ``moments``, the Adam moments, step count and
+    saved hyper-parameters) from a saved step of any world size and MLP layout, cut to this rank's partition as
+    DeepSpeed's universal-checkpoint loader for ZeRO-3 cuts its per-parameter files; the 16-bit partitions are then
+    the masters rounded, and persistent parameters are gathered again, as after DeepSpeed's own load."""
+    import deepspeed.comm as dist
+
+    optimizer = engine.optimizer
+    if getattr(optimizer, "swap_optimizer", False) or any(flat is None
+                                                          for flat in optimizer.fp16_partitioned_groups_flat):
+        raise CheckpointLayoutError(f"[LoongForge] {saved.folder}: its MLPs' gate and up projections are saved in the "
+                                    "other layout, which is rebuilt per parameter, and this engine swaps its ZeRO-3 "
+                                    "state to NVMe: load it without NVMe offload, save, and load that")
+    step = saved.step() if moments else None
+    keys = ("fp32", *MOMENT_KEYS) if step is not None else ("fp32",)
+    names = optimizer.param_names
+    optimizer.checkpoint_event_prologue()
+    for g, params in enumerate(optimizer.fp16_groups):
+        master = optimizer.fp32_partitioned_groups_flat[g]
+        for key in keys:
+            flat, at = torch.zeros_like(master), 0
+            for param in params:
+                whole = saved.tensor(names[param], key)
+                if whole.shape != param.ds_shape:
+                    raise CheckpointLayoutError(f"{saved.folder}: {names[param]} was saved as {tuple(whole.shape)}, "
+                                                f"this model's is {tuple(param.ds_shape)}")
+                group = optimizer._get_param_partition_group(param)
+                per_rank, rank = param.partition_numel(), dist.get_rank(group=group)
+                whole = whole.reshape(-1)
+                padded = torch.cat([whole, whole.new_zeros(per_rank * dist.get_world_size(group=group) - whole.numel())])
+                flat.narrow(0, at, per_rank).copy_(padded.narrow(0, rank * per_rank, per_rank))
+                at += per_rank
+            if key == "fp32":
+                master.copy_(flat)
+            else:
+                optimizer.optimizer.state[master][key] = flat
+        if step is not None:
+            optimizer.optimizer.state[master]["step"] = step.clone() if torch.is_tensor(step) else step
+    if moments:
+        saved_groups = saved.optim(0)["optimizer_state_dict"]["param_groups"]
+        if len(saved_groups) != len(optimizer.optimizer.param_groups):
+            raise CheckpointLayoutError(f"{saved.folder}: {len(saved_groups)} saved optimizer groups, this engine has "
+                                        f"{len(optimizer.optimizer.param_groups)}: group the parameters as the saving "
+                                        "run did")
+        for group, saved_group in zip(optimizer.optimizer.param_groups, saved_groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        optimizer._load_global_state_stage3(saved.optim(0))  # loss scaler, overflow
+    for g, master in enumerate(optimizer.fp32_partitioned_groups_flat):
+        if master.numel():
+            optimizer.fp16_partitioned_groups_flat[g].copy_(master)
+        weights = optimizer.unflatten(optimizer.fp16_partitioned_groups_flat[g], optimizer.fp16_partitioned_groups[g])
+        for partitioned, weight in zip(optimizer.fp16_partitioned_groups[g], weights):
+            partitioned.data = weight.data
+    if optimizer.persistent_parameters:
+        optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
+    optimizer.checkpoint_event_epilogue()
+
+
+def _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_optimizer_states, load_module_only,
+                                  kwargs):
+    """A ZeRO-3 checkpoint whose MLPs hold gate and up in the other layout (``_saved_with_other_mlp_params``):
+    DeepSpeed's load runs for what it keeps (LR scheduler, step counters, client state, buffers, frozen
+    parameters) without its optimizer state, and with the module's weights left to ``load_zero3_state``, which
+    rebuilds the masters (and moments) per parameter. DeepSpeed's own rebuild of the module's fp32 state dict for
+    that load (``get_fp32_state_dict_from_zero_checkpoint``, which reads the 'latest' tag whatever tag is loaded) is
+    skipped: the buffers come from the loaded tag's model file."""
+    import deepspeed.runtime.engine as ds_engine
+
+    saved = SavedZero3(folder)
+    user_fn = kwargs["custom_load_fn"]
+
+    def load_buffers(src, dst):  # DeepSpeed's custom_load_fn(src=the module state, dst=the module)
+        if user_fn is not None:
+            user_fn(src=src, dst=dst)
+            return
+        for name, buffer in dst.named_buffers():
+            if name in src:
+                buffer.copy_(src[name])
+
+    rebuild = ds_engine.get_fp32_state_dict_from_zero_checkpoint
+    ds_engine.get_fp32_state_dict_from_zero_checkpoint = lambda *args, **kw: dict(saved.buffers)
+    try:
+        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
+                          **{**kwargs, "custom_load_fn": load_buffers})
+    finally:
+        ds_engine.get_fp32_state_dict_from_zero_checkpoint = rebuild
+    if result[0] is None:
+        return result
+    moments = load_optimizer_states and not load_module_only
+    load_zero3_state(engine, saved, moments)
+    fused = any(split_mlp_part(name, saved.shapes) for name in engine.optimizer.param_names.values())
+    logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: ZeRO-3 fp32 "
+                "masters%s rebuilt per parameter", folder, *(("one gate_up_proj", "two") if fused
+                                                          else ("two", "one gate_up_proj")),
+                " and Adam moments" if moments else "")
+    return result
 
 
 def _saved_groups_of(param_shapes: list[dict], lp_groups, names: dict) -> list[list[int]]:
@@ -636,6 +813,11 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
             and unsharded == bool(_expert_files(folder))):
         return _load_across_sharding(original, engine, load_dir, tag, folder, load_optimizer_states,
                                      load_module_only, kwargs, into_sharded=sharded)
+    if (engine.zero_optimization_partition_weights() and not engine.load_universal_checkpoint()
+            and os.path.isfile(os.path.join(folder, ZERO3_MODEL_FILE))
+            and _saved_with_other_mlp_params(engine, folder, ZERO3_MODEL_FILE)):
+        return _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_optimizer_states,
+                                             load_module_only, kwargs)
     wants_optimizer = _wants_optimizer_state(engine, load_optimizer_states, load_module_only)
     # saved with the MLPs' gate_proj and up_proj where this engine has one gate_up_proj, or the other way: DeepSpeed's
     # load would refuse the partitions ("parameter-alignment layout does not match"); the weights load by name (the

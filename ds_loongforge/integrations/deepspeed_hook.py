@@ -21,7 +21,9 @@ config (a dict, a JSON path, or ``args.deepspeed_config``), before DeepSpeed bui
 6. once the engine is built, ``ds_loongforge.profiler`` starts on it when ``profiler.enabled`` is true.
 
 Without the block, with ``"enabled": false``, or with ``LOONGFORGE_DISABLE=1`` this is exactly
-``deepspeed.initialize``. ``install(deepspeed)`` makes ``deepspeed.initialize`` itself this function; the
+``deepspeed.initialize``; in the first two cases the engine's ``load_checkpoint`` still recognises a checkpoint
+saved with LoongForge's fused MLP and rebuilds its optimizer state for the stock layout (``_install_checkpoint_load``).
+``install(deepspeed)`` makes ``deepspeed.initialize`` itself this function; the
 ``.pth`` autoloader (``ds_loongforge._autoload``) calls it when ``deepspeed`` is imported, so unmodified scripts
 (direct calls, HF Trainer, accelerate: all look ``deepspeed.initialize`` up at call time) get it from the
 config alone.
@@ -83,17 +85,31 @@ def _initialize(original, args: tuple, kwargs: dict):
         return original(*args, **kwargs)
     ds_config = _resolve_config(call)
     if not isinstance(ds_config, dict) or "loongforge" not in ds_config:
+        _install_checkpoint_load()
         return original(*args, **kwargs)
     from ds_loongforge.config import parse_config
 
     config = parse_config(ds_config)  # a disabled block is validated too: a typo must not pass silently
     if not config.enabled:
+        _install_checkpoint_load()
         return original(*args, **kwargs)
     _reentry.active = True
     try:
         return _initialize_enabled(original, call, ds_config, config)
     finally:
         _reentry.active = False
+
+
+def _install_checkpoint_load() -> None:
+    """A stock engine (the block off or absent) still loads checkpoints through ``ds_loongforge.checkpoint``: a run
+    saved with LoongForge's fused MLP (one ``gate_up_proj`` for an MLP's gate and up projections) and resumed
+    without it has its ZeRO optimizer state in the other parameter layout, which DeepSpeed refuses at ZeRO-1/2
+    ("parameter-alignment layout does not match") and, at ZeRO-3 on several ranks, loads as it is: every MLP's
+    masters and moments would be other rows'. Checkpoints in the engine's own layout go to DeepSpeed's load
+    unchanged (the check reads the saved parameter names, not the weights)."""
+    from ds_loongforge import checkpoint
+
+    checkpoint.install()
 
 
 def _two_config_sources(call: dict) -> bool:
