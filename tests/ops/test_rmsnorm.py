@@ -131,6 +131,18 @@ def test_rmsnorm_fp32_weight_with_half_input(impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                 (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_rmsnorm_16bit_weight_of_another_dtype(impl, dtype, weight_dtype):
+    """A bf16 model's norm fed fp32 activations (inputs_embeds of its own, a norm kept in 16 bits): the kernels
+    refused the weight ("weight dtype must equal the input dtype or be float32") where transformers and the
+    reference promote. The weight goes in as fp32 (exact), the output is x's dtype as with an fp32 weight, and dw
+    comes back in the weight's dtype."""
+    assert_checks(rmsnorm_checks(65, 4096, dtype, impl, impl, weight_dtype=weight_dtype))
+    assert_checks(rmsnorm_checks(3, 4097, dtype, impl, impl, weight_dtype=weight_dtype, residual=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("view", ["row_strided", "misaligned", "transposed"])
 def test_rmsnorm_non_contiguous_input(impl, dtype, view):
