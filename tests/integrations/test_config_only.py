@@ -644,12 +644,9 @@ def test_accelerate_save_and_load_state_across_expert_sharding(tmp_path, acceler
         previous, checkpoint = end, str(out)
 
 
-# a dense Llama trained 2 steps by stock DeepSpeed (no block), saved, and stepped once more; then the same model
-# built again under argv[1]'s enabled block (MLPs fused: gate_proj and up_proj become one gate_up_proj), the
-# checkpoint loaded and stepped once on the same batch, and saved. Each engine's fp32 masters and Adam moments under
-# stock names (gate_up_proj cut into gate_proj and up_proj rows) after the load / before the third step, and its
-# weights after it. With argv[3], a fresh process loads that last checkpoint into an engine of argv[1]'s config
-STOCK_TO_FUSED_SCRIPT = """
+# a dense Llama's DeepSpeed engine under a config, its training step on a batch, and every parameter's fp32 master
+# and Adam moments under stock names (gate_up_proj cut into gate_proj and up_proj rows): the checkpoint scripts below
+LLAMA_ENGINE_SNIPPET = """
 import json, os, sys
 import torch
 import deepspeed
@@ -684,8 +681,13 @@ def states(engine):
         else:
             out[name] = torch.stack(values)
     return out
-
-
+"""
+# a dense Llama trained 2 steps by stock DeepSpeed (no block), saved, and stepped once more; then the same model
+# built again under argv[1]'s enabled block (MLPs fused: gate_proj and up_proj become one gate_up_proj), the
+# checkpoint loaded and stepped once on the same batch, and saved. Each engine's fp32 masters and Adam moments under
+# stock names (gate_up_proj cut into gate_proj and up_proj rows) after the load / before the third step, and its
+# weights after it. With argv[3], a fresh process loads that last checkpoint into an engine of argv[1]'s config
+STOCK_TO_FUSED_SCRIPT = LLAMA_ENGINE_SNIPPET + """
 config = json.load(open(sys.argv[1]))
 if len(sys.argv) > 3:  # a fresh process: the fused engine's checkpoint into one with the MLP fusion off
     unfused = engine_for(config)
@@ -741,58 +743,21 @@ def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_instal
         assert torch.equal(unfused[name], value), name
 
 
-# ZeRO-3 on 2 ranks, every parameter partitioned (no persistent ones): a dense Llama trained 2 steps under the
-# config with argv[3]'s loongforge block (absent: "null"), saved, stepped once more; then the same model built under
-# argv[4]'s block, the checkpoint loaded and stepped on the same third batch. Prints (rank 0) every parameter's fp32
+# ZeRO-3 on 2 ranks, every parameter partitioned (no persistent ones): the same dense Llama built under the config
+# with argv[3]'s loongforge block (absent: "null") and with argv[4]'s; the first trained 2 steps, saved, stepped once
+# more; the second loads the checkpoint and steps on the same third batch. Prints (rank 0) every parameter's fp32
 # master and Adam moments under stock names (gate_up_proj cut into gate_proj and up_proj rows) at the save and after
 # the load, and after the third step of each engine
-ZERO3_MLP_SCRIPT = """
-import json, os, sys
-import torch
-import deepspeed
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from transformers import LlamaConfig, LlamaForCausalLM
-
-out = sys.argv[2]
-batches = torch.randint(0, 64, (3, 2, 16), generator=torch.Generator().manual_seed(1))
+ZERO3_MLP_SCRIPT = LLAMA_ENGINE_SNIPPET + """
 base = json.load(open(sys.argv[1]))
-
-
-def engine_for(block):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = base if block is None else {**base, "loongforge": block}
-    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
-
-
-def step(engine, ids):
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
-
-
-def states(engine):
-    out = {}
-    for name, p in engine.module.named_parameters():
-        values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, key)
-                                                  for key in ("exp_avg", "exp_avg_sq")]
-        if "gate_up_proj" in name:
-            for part, half in zip(("gate_proj", "up_proj"), zip(*(v.chunk(2) for v in values))):
-                out[name.replace("gate_up_proj", part)] = torch.stack(half).float()
-        else:
-            out[name] = torch.stack(values).float()
-    return out
-
-
-first = engine_for(json.loads(sys.argv[3]))
+blocks = [json.loads(arg) for arg in sys.argv[3:5]]
+first, second = (engine_for(base if block is None else {**base, "loongforge": block}) for block in blocks)
 for ids in batches[:2]:
     step(first, ids)
 first.save_checkpoint(out, tag="ckpt")
 saved = states(first)
 step(first, batches[2])
 first_after = states(first)
-second = engine_for(json.loads(sys.argv[4]))
 second.load_checkpoint(out, tag="ckpt")
 loaded = states(second)
 step(second, batches[2])
