@@ -853,13 +853,41 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     return result
 
 
+def stock_mlp_keys(module, state):
+    """A state dict DeepSpeed gathered parameter by parameter under ``named_parameters`` names (ZeRO-3's
+    consolidated 16-bit state dict: ``save_16bit_model``, the HF Trainer's ``save_model`` and accelerate's
+    ``get_state_dict``) under the keys ``module.state_dict()`` gives: each FusedSwiGLUMLP's ``gate_up_proj`` as
+    transformers' ``gate_proj`` and ``up_proj`` rows, in its place. Without this a model saved that way had
+    ``gate_up_proj`` keys, and stock transformers initialised its MLPs at random (with a warning only)."""
+    from ds_loongforge.modules.norm_mlp import FusedSwiGLUMLP
+
+    fused = {f"{name}{'.' if name else ''}gate_up_proj.{kind}": (name + "." if name else "", kind)
+             for name, m in module.named_modules() if isinstance(m, FusedSwiGLUMLP) for kind in ("weight", "bias")}
+    if not state or not any(key in fused for key in state):
+        return state
+    out = type(state)()
+    for key, value in state.items():
+        if key not in fused:
+            out[key] = value
+            continue
+        prefix, kind = fused[key]
+        gate, up = value.chunk(2, dim=0)  # copies: safetensors refuses tensors that share storage
+        out[f"{prefix}gate_proj.{kind}"], out[f"{prefix}up_proj.{kind}"] = gate.clone(), up.clone()
+    return out
+
+
 def install() -> None:
-    """Route ``DeepSpeedEngine.load_checkpoint`` through ``load_checkpoint`` (once per process)."""
+    """Route ``DeepSpeedEngine.load_checkpoint`` through ``load_checkpoint``, and its ZeRO-3 consolidated 16-bit
+    state dict through ``stock_mlp_keys`` (once per process)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     def load(original, self, load_dir, tag=None, *args, **kwargs):
         return load_checkpoint(original, self, load_dir, tag, *args, **kwargs)
 
+    def consolidated(original, self, *args, **kwargs):
+        return stock_mlp_keys(self.module, original(self, *args, **kwargs))
+
     if patch_once(DeepSpeedEngine, "load_checkpoint", load):
         logger.info("[LoongForge] DeepSpeedEngine.load_checkpoint -> optimizer state across ep_size, expert layout and "
                     "world size for stacked experts (ds_loongforge.checkpoint)")
+    patch_once(DeepSpeedEngine, "_zero3_consolidated_16bit_state_dict", consolidated)

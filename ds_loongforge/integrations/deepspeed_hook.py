@@ -101,12 +101,13 @@ def _initialize(original, args: tuple, kwargs: dict):
 
 
 def _install_checkpoint_load() -> None:
-    """A stock engine (the block off or absent) still loads checkpoints through ``ds_loongforge.checkpoint``: a run
-    saved with LoongForge's fused MLP (one ``gate_up_proj`` for an MLP's gate and up projections) and resumed
-    without it has its ZeRO optimizer state in the other parameter layout, which DeepSpeed refuses at ZeRO-1/2
-    ("parameter-alignment layout does not match") and, at ZeRO-3 on several ranks, loads as it is: every MLP's
-    masters and moments would be other rows'. Checkpoints in the engine's own layout go to DeepSpeed's load
-    unchanged (the check reads the saved parameter names, not the weights)."""
+    """Every engine, LoongForge's or stock (the block off or absent), loads checkpoints through
+    ``ds_loongforge.checkpoint``: a run saved with LoongForge's fused MLP (one ``gate_up_proj`` for an MLP's gate
+    and up projections) and resumed without it, or the other way, has its ZeRO optimizer state in the other
+    parameter layout, which DeepSpeed refuses at ZeRO-1/2 ("parameter-alignment layout does not match") and, at
+    ZeRO-3 on several ranks, loads as it is: every MLP's masters and moments would be other rows'. Checkpoints in
+    the engine's own layout go to DeepSpeed's load unchanged (the check reads the saved parameter names, not the
+    weights)."""
     from ds_loongforge import checkpoint
 
     checkpoint.install()
@@ -242,15 +243,11 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     if config.profiler.enabled:
         _start_profiler(engine, config.profiler.report_every)
     _release_cpu_allreduce_buffers()
-    from ds_loongforge import checkpoint
-
-    if (checkpoint.holds_unsharded_experts(engine) or any(isinstance(t, _FusedPart) for t in remap.values())
-            or not config.fused_kernels.swiglu):
-        # an expert-parallel checkpoint keeps the experts in per-expert files, which DeepSpeed reads only into
-        # MoE layers: ds_loongforge.checkpoint loads them, and the optimizer state, into these unsharded experts;
-        # and a checkpoint saved with the MLPs' gate_proj and up_proj (stock) into their fused gate_up_proj, or
-        # one saved with them fused into an engine without the fusion
-        checkpoint.install()
+    # an expert-parallel checkpoint keeps the experts in per-expert files, which DeepSpeed reads only into MoE
+    # layers: ds_loongforge.checkpoint loads them, and the optimizer state, into unsharded experts; a checkpoint saved
+    # with the MLPs' gate_proj and up_proj (stock) into their fused gate_up_proj, or the other way; and ZeRO-3's
+    # consolidated 16-bit state dict (the Trainer's save_model) gets transformers' keys for the fused MLPs
+    _install_checkpoint_load()
     return engine, optimizer, loader, scheduler
 
 

@@ -801,6 +801,38 @@ def test_zero3_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, fir
         torch.testing.assert_close(result["second_after"][name], value, rtol=0, atol=atol, msg=name)
 
 
+# ZeRO-3, one step of a dense Llama under argv[1]'s config, then the model saved as the HF Trainer's save_model and
+# accelerate's get_state_dict save it (the engine's consolidated 16-bit state dict, save_16bit_model) and loaded
+# strictly into a stock LlamaForCausalLM
+ZERO3_SAVE_SCRIPT = LLAMA_ENGINE_SNIPPET + """
+engine = engine_for(json.load(open(sys.argv[1])))
+step(engine, batches[0])
+consolidated = engine._zero3_consolidated_16bit_state_dict()
+with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+    own = {key: value.clone() for key, value in engine.module.state_dict().items()}
+engine.save_16bit_model(out)
+stock = LlamaForCausalLM(engine.module.config)
+stock.load_state_dict(torch.load(os.path.join(out, "pytorch_model.bin")), strict=True)
+print("SAVED " + json.dumps({
+    "fused": any("gate_up_proj" in n for n, _ in engine.module.named_parameters()),
+    "keys": sorted(consolidated) == sorted(own),
+    "equal": all(torch.equal(consolidated[k], own[k]) for k in own if k in consolidated),
+    "stock_equal": all(torch.equal(v, own[k]) for k, v in stock.state_dict().items())}))
+leave()
+"""
+
+
+def test_zero3_consolidated_save_has_transformers_keys(tmp_path, autoload_installed):
+    """Under ZeRO-3 the HF Trainer's save_model, accelerate's get_state_dict and save_16bit_model take DeepSpeed's
+    consolidated 16-bit state dict, gathered parameter by parameter under named_parameters names: the fused MLP's
+    gate_up_proj went into the saved model, and stock transformers initialised every MLP's gate and up projections
+    at random (warning that they were newly initialised). The saved keys are now the module's state_dict keys, the
+    weights its own, and a stock model loads them strictly."""
+    config = {**DS_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    output = _run_script(tmp_path, MODEL_SNIPPET + ZERO3_SAVE_SCRIPT, config, str(tmp_path / "saved"))
+    assert _tagged(output, "SAVED") == {"fused": True, "keys": True, "equal": True, "stock_equal": True}
+
+
 # a frozen model (a DPO reference or distillation teacher) given to deepspeed.initialize with the training config and
 # no optimizer; argv[3]: "bf16" or "fp32"
 FROZEN_SCRIPT = MODEL_SNIPPET + """
