@@ -324,9 +324,6 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
-ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # DeepSpeedEngine._get_ckpt_name under ZeRO-3
-
-
 class SavedZero3:
     """The ZeRO-3 files of one saved step: each trainable parameter's fp32 master and Adam moments, whole, cut out
     of the ranks' partitions as DeepSpeed's ``zero_to_fp32`` cuts the masters. ZeRO-3 partitions every parameter on
@@ -335,7 +332,7 @@ class SavedZero3:
     base optimizer's state ``i``). Memory-mapped: one parameter is materialised at a time."""
 
     def __init__(self, folder: str):
-        from ds_loongforge.export import _load, _zero_files
+        from ds_loongforge.export import ZERO3_MODEL_FILE, _load, _zero_files
 
         self.folder = folder
         states = _load(os.path.join(folder, ZERO3_MODEL_FILE))
@@ -799,7 +796,7 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
-    from ds_loongforge.export import MODEL_FILE, tag_folder
+    from ds_loongforge.export import MODEL_FILE, ZERO3_MODEL_FILE, tag_folder
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
                   custom_load_fn=custom_load_fn)

@@ -21,6 +21,9 @@ group (the layout of ``deepspeed.utils.groups``, with the config's ``use_data_be
 expert-parallel rank, and the ranks' local experts are concatenated in expert-parallel rank order (rank e holds
 experts [e * E/ep, (e + 1) * E/ep), as DeepSpeed numbers its per-expert files).
 
+A ZeRO-3 checkpoint (whose model files hold no weights) is assembled by ``zero_to_fp32`` itself, its fused MLPs
+cut into transformers' keys (``_zero3_state_dict``).
+
 Then every tensor is checked against the weights the model ran with: the module file and the per-expert files
 hold each master rounded to the training dtype, bit for bit (a NaN matching a NaN). A layout read wrong, a file
 from another run, a missing rank or MoE layer is an error naming it, never a silently wrong tensor. Frozen
@@ -71,10 +74,13 @@ def tag_folder(checkpoint_dir: str, tag: str | None = None) -> str:
     return checkpoint_dir
 
 
+ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # DeepSpeedEngine._get_ckpt_name under ZeRO-3
+
+
 def checkpoint_folder(checkpoint_dir: str, tag: str | None = None) -> str:
-    """``tag_folder``, which must hold the model file."""
+    """``tag_folder``, which must hold the model file (ZeRO-3's first rank's, for a ZeRO-3 checkpoint)."""
     folder = tag_folder(checkpoint_dir, tag)
-    if not os.path.isfile(os.path.join(folder, MODEL_FILE)):
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in (MODEL_FILE, ZERO3_MODEL_FILE)):
         raise CheckpointExportError(
             f"no DeepSpeed checkpoint at {folder}: {MODEL_FILE} is missing (pass the folder that "
             "engine.save_checkpoint wrote, holding a 'latest' file, or the tag's own folder, or name the tag)")
@@ -281,6 +287,8 @@ def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str 
     if source not in SOURCES:
         raise CheckpointExportError(f"source={source!r}: must be one of {SOURCES}")
     folder = checkpoint_folder(checkpoint_dir, tag)
+    if not os.path.isfile(os.path.join(folder, MODEL_FILE)):
+        return _zero3_state_dict(folder, source)
     states = _model_states(folder)
     saved = saved_weights(folder, states)
     if source == "module":
@@ -316,6 +324,38 @@ def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str 
         if key not in out:  # frozen parameters and buffers: no master; fp32 holds them exactly
             out[key] = tensor.float() if tensor.is_floating_point() else tensor
     return {key: out[key] for key in saved}
+
+
+def _zero3_state_dict(folder: str, source: str) -> dict[str, torch.Tensor]:
+    """``load_state_dict`` of a ZeRO-3 checkpoint: DeepSpeed's ``zero_to_fp32`` assembles it (the masters from
+    every rank's partitions, frozen parameters from their saved fragments, buffers, tied weights) under the
+    engine's parameter names, and a fused MLP's gate_up_proj is cut into transformers' gate_proj and up_proj
+    here. The model files hold no weights under ZeRO-3, so there is nothing to check the masters against, and
+    nothing to export for ``source="module"``. DeepSpeed runs no MoE layer under ZeRO-3: no per-expert files."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if source == "module":
+        raise CheckpointExportError(f"{folder} is a ZeRO-3 checkpoint, whose model files hold no weights (ZeRO-3 "
+                                    "keeps them only as the optimizer's fp32 partitions): export the masters "
+                                    "(source='masters', the default)")
+    states = _load(os.path.join(folder, ZERO3_MODEL_FILE))
+    dims = states.get("checkpoint_parallel_dimensions") or {}
+    if states.get("mp_world_size", 1) != 1 or dims.get("tp_degree", 1) != 1 or dims.get("pp_degree", 1) != 1:
+        raise CheckpointExportError(
+            f"{folder} was saved with tensor or pipeline parallelism (mp_world_size {states.get('mp_world_size')}, "
+            f"{dims}); only data and expert parallelism are supported")
+    keys = dict.fromkeys(states.get("module") or {})  # the model's state_dict() keys (empty tensors under ZeRO-3)
+    parent, tag = os.path.split(os.path.normpath(folder))
+    with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints its progress; stdout is the CLI's summary
+        assembled = get_fp32_state_dict_from_zero_checkpoint(parent, tag)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in assembled.items():
+        out.update(_name_in_saved(name, tensor.float() if tensor.is_floating_point() else tensor, keys))
+    missing = [key for key in keys if key not in out]
+    if missing:
+        raise CheckpointExportError(f"{folder}: DeepSpeed's zero_to_fp32 assembled no {missing[:5]} (saved with "
+                                    "exclude_frozen_parameters, or files of another save?)")
+    return {key: out[key] for key in keys}
 
 
 def _hf_config_path(checkpoint_dir: str, folder: str, config: str | None) -> str | None:

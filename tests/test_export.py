@@ -76,6 +76,7 @@ RUNS = {
     "qwen2_moe_ep2": ("qwen2_moe", _ds_config(2, True, 2, True)),
     "deepseek_v3_ep2": ("deepseek_v3", _ds_config(2, True, 2, True)),
     "zero2_bf16_llama": ("llama", _ds_config(2, True, 1, True)),
+    "zero3_bf16_llama": ("llama", _ds_config(3, True, 1, False)),
 }
 FROZEN = "model.layers.0.self_attn.q_proj.weight"  # frozen in the llama run
 
@@ -300,6 +301,32 @@ def test_dense_llama_export_has_transformers_keys(trained, tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, masters[key]), key
+
+
+def test_zero3_llama_export_has_transformers_keys(trained, tmp_path):
+    """A ZeRO-3 checkpoint: DeepSpeed's zero_to_fp32 assembles it under the engine's parameter names, so the
+    fused MLP's gate_up_proj came out as such and stock transformers initialised its MLPs at random; and the export
+    refused ZeRO-3 (or found no model file: ZeRO-3 names it per rank). Now the masters DeepSpeed holds at run time
+    come out under transformers' keys (the tied lm_head, the frozen weight as saved) and load strictly."""
+    from transformers import LlamaForCausalLM
+
+    root, ranks = trained
+    name = "zero3_bf16_llama"
+    masters = _under_transformers_keys(_expected(ranks, name, 1))
+    masters["lm_head.weight"] = masters["model.embed_tokens.weight"]  # tied
+    masters[FROZEN] = ranks[0][name]["weights"][FROZEN].float()  # no master: the bf16 weight, exactly
+    got = load_state_dict(str(root / "ckpt" / name))
+    assert set(got) == set(masters)
+    for key, value in got.items():
+        assert value.dtype == torch.float32 and torch.equal(value, masters[key]), key
+    _stock("llama").load_state_dict(got, strict=True)
+    _llama().save_pretrained(tmp_path / "config")
+    export(str(root / "ckpt" / name), str(tmp_path / "hf"), config=str(tmp_path / "config"))
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, masters[key]), key
+    with pytest.raises(CheckpointExportError, match="ZeRO-3 checkpoint, whose model files hold no weights"):
+        load_state_dict(str(root / "ckpt" / name), source="module")
 
 
 def test_module_source_is_the_weights_the_model_ran_with(trained):
