@@ -793,6 +793,105 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
     return result
 
 
+def _unfused_mlp_half(name: str, params: dict) -> tuple[str, int] | None:
+    """``(<mlp>.gate_up_proj.<leaf>, 0 or 1)`` for ``<mlp>.gate_proj.<leaf>`` / ``<mlp>.up_proj.<leaf>`` of a module
+    that has both (the unfused form of a FusedSwiGLUMLP's parameter); else None."""
+    for half, proj in enumerate(("gate_proj.", "up_proj.")):
+        module, found, leaf = name.rpartition(proj)
+        if (found and "." not in leaf and (not module or module.endswith("."))
+                and all(f"{module}{p}{leaf}" in params for p in ("gate_proj.", "up_proj."))):
+            return f"{module}gate_up_proj.{leaf}", half
+    return None
+
+
+def _per_element(value) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _own(value):
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
+    """Without ZeRO, DeepSpeed saves a torch optimizer's own state dict, which knows parameters by their place in
+    its groups only: saved with LoongForge's fused MLP (one gate_up_proj at the gate's place) and loaded without it,
+    or the other way, torch refused it ("a parameter group that doesn't match the size of optimizer's group").
+    This engine's groups in the other layout (each gate_up_proj as gate_proj then up_proj, or those two as one
+    gate_up_proj where gate_proj was) must match the saved groups' sizes and every saved moment its parameter's
+    shape; then the state dict for this engine's parameters (the rows joined, or cut in halves), else None (not
+    this case: DeepSpeed's own load follows). Mixed-precision wrappers without ZeRO (FP16_Optimizer and its bf16
+    use) keep other formats and are left to DeepSpeed."""
+    optimizer = engine.optimizer
+    if (not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "fp32_groups")
+            or engine.fp16_enabled() or engine.bfloat16_enabled()):
+        return None
+    from ds_loongforge.export import _model_states
+
+    saved = _model_states(folder).get("optimizer")
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) or "state" not in saved:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    params = {n: p for n, p in engine.module.named_parameters()}
+    groups = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+    if (len(groups) != len(saved["param_groups"]) or any(None in group for group in groups)
+            or all(len(g) == len(s["params"]) for g, s in zip(groups, saved["param_groups"]))):
+        return None
+    shapes: dict[str, torch.Size] = {}  # the other layout's parameters, and their shapes
+    other = []
+    for group in groups:
+        names_other = []
+        for name in group:
+            module, fused, leaf = name.rpartition("gate_up_proj.")
+            if fused and "." not in leaf:  # this engine fused: the saved run had gate then up
+                for part, half in zip(("gate_proj.", "up_proj."), params[name].chunk(2)):
+                    names_other.append(f"{module}{part}{leaf}")
+                    shapes[names_other[-1]] = half.shape
+                continue
+            half = _unfused_mlp_half(name, params)
+            if half is not None:  # this engine unfused: the saved run had gate_up_proj at the gate's place
+                whole, which = half
+                if which == 0:
+                    names_other.append(whole)
+                    shapes[whole] = torch.Size([2 * params[name].shape[0], *params[name].shape[1:]])
+                continue
+            names_other.append(name)
+            shapes[name] = params[name].shape
+        other.append(names_other)
+    if [len(g) for g in other] != [len(s["params"]) for s in saved["param_groups"]]:
+        return None
+    saved_index = {}  # other-layout name -> the saved state's index
+    for names_other, saved_group in zip(other, saved["param_groups"]):
+        saved_index.update(zip(names_other, saved_group["params"]))
+    for name, index in saved_index.items():
+        moment = saved["state"].get(index, {}).get("exp_avg")
+        if moment is not None and moment.shape != shapes[name]:
+            return None
+    state, param_groups, index = {}, [], 0
+    for group, saved_group in zip(groups, saved["param_groups"]):
+        indices = []
+        for name in group:
+            module, fused, leaf = name.rpartition("gate_up_proj.")
+            if fused and "." not in leaf:
+                parts = [saved["state"].get(saved_index[f"{module}{part}{leaf}"]) for part in ("gate_proj.", "up_proj.")]
+                if all(parts):  # per-element tensors joined, the step count (a scalar) kept
+                    state[index] = {key: torch.cat([value, parts[1][key]]) if _per_element(value) else _own(value)
+                                    for key, value in parts[0].items()}
+            elif name in saved_index:
+                if saved_index[name] in saved["state"]:
+                    state[index] = {key: _own(value) for key, value in saved["state"][saved_index[name]].items()}
+            else:
+                whole, half = _unfused_mlp_half(name, params)
+                held = saved["state"].get(saved_index[whole])
+                if held is not None:
+                    # every tensor its own: torch's AdamW counts a parameter's step in place
+                    state[index] = {key: value.chunk(2)[half].clone() if _per_element(value) else _own(value)
+                                    for key, value in held.items()}
+            indices.append(index)
+            index += 1
+        param_groups.append({**saved_group, "params": indices})
+    return {"state": state, "param_groups": param_groups}
+
+
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
@@ -823,6 +922,16 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, folder)
+    if (saved_here and load_optimizer_states and not load_module_only and not engine.zero_optimization()
+            and not engine.load_universal_checkpoint()):
+        converted = _unpartitioned_state_across_mlp_layout(engine, folder)
+        if converted is not None:
+            result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
+            if result[0] is not None:
+                engine.optimizer.load_state_dict(converted)
+                logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections in the other layout "
+                            "(no ZeRO): the optimizer state mapped per parameter", folder)
+            return result
     if not (mlp_renamed or (saved_here and sharded and wants_optimizer)):
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
                         load_module_only=load_module_only, **kwargs)

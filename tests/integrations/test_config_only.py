@@ -670,11 +670,17 @@ def step(engine, ids):
     engine.step()
 
 
+def full(engine, p, key):
+    value = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+    if value is None and not engine.zero_optimization():  # fp32 without ZeRO: the weight and torch's own state
+        value = p.detach().clone() if key is None else engine.optimizer.state[p][key].clone()
+    return value
+
+
 def states(engine):
     out = {}
     for name, p in engine.module.named_parameters():
-        values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, key)
-                                                  for key in ("exp_avg", "exp_avg_sq")]
+        values = [full(engine, p, key) for key in (None, "exp_avg", "exp_avg_sq")]
         if "gate_up_proj" in name:
             for part, half in zip(("gate_proj", "up_proj"), zip(*(v.chunk(2) for v in values))):
                 out[name.replace("gate_up_proj", part)] = torch.stack(half)
@@ -743,12 +749,12 @@ def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_instal
         assert torch.equal(unfused[name], value), name
 
 
-# ZeRO-3 on 2 ranks, every parameter partitioned (no persistent ones): the same dense Llama built under the config
-# with argv[3]'s loongforge block (absent: "null") and with argv[4]'s; the first trained 2 steps, saved, stepped once
-# more; the second loads the checkpoint and steps on the same third batch. Prints (rank 0) every parameter's fp32
+# 2 ranks (ZeRO-3: every parameter partitioned, none persistent): the same dense Llama built under the config with
+# argv[3]'s loongforge block (absent: "null") and with argv[4]'s; the first trained 2 steps, saved, stepped once
+# more; the second loads the checkpoint and steps on the same third batch. Rank 0 saves every parameter's fp32
 # master and Adam moments under stock names (gate_up_proj cut into gate_proj and up_proj rows) at the save and after
 # the load, and after the third step of each engine
-ZERO3_MLP_SCRIPT = LLAMA_ENGINE_SNIPPET + """
+MLP_LAYOUT_SCRIPT = LLAMA_ENGINE_SNIPPET + """
 base = json.load(open(sys.argv[1]))
 blocks = [json.loads(arg) for arg in sys.argv[3:5]]
 first, second = (engine_for(base if block is None else {**base, "loongforge": block}) for block in blocks)
@@ -770,27 +776,34 @@ leave()
 """
 
 
-@pytest.mark.parametrize("first, second, dtype", [
-    ("absent", "enabled", "fp32"),  # a stock run resumed with the block on
-    ("enabled", "disabled", "fp32"),  # a LoongForge run resumed with the block switched off
-    ("enabled", "absent", "bf16"),  # ... or removed
+@pytest.mark.parametrize("stage, first, second, dtype", [
+    (3, "absent", "enabled", "fp32"),  # a stock run resumed with the block on
+    (3, "enabled", "disabled", "fp32"),  # a LoongForge run resumed with the block switched off
+    (3, "enabled", "absent", "bf16"),  # ... or removed
+    (0, "absent", "enabled", "fp32"),
+    (0, "enabled", "disabled", "fp32"),
 ])
-def test_zero3_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, first, second, dtype):
+def test_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, stage, first, second, dtype):
     """ZeRO-3 partitions each parameter on its own, so one gate_up_proj and the gate_proj + up_proj it fuses cut
     into other rank slices at 2 ranks, while the flat partitions keep their sizes: DeepSpeed loaded a checkpoint
     of either layout into the other without a word, and every MLP's masters and moments were other rows' (the
-    next step trained on them). The load now rebuilds them per parameter, in both directions, also for an engine
-    whose config has the block off or absent; the next step is the saving engine's."""
+    next step trained on them). Without ZeRO the saved torch optimizer state knows parameters by place only, and
+    torch refused it ("a parameter group that doesn't match the size"). The load now rebuilds them per parameter,
+    in both directions, also for an engine whose config has the block off or absent (ZeRO-1/2: the tests above);
+    the next step is the saving engine's."""
     import torch
 
     blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
-    config = {**DS_BASE, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}}
-    output = _run_script(tmp_path, MODEL_SNIPPET + ZERO3_MLP_SCRIPT, config, str(tmp_path / "ckpt"),
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    config = {**DS_BASE, "zero_optimization": zero, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}}
+    output = _run_script(tmp_path, MODEL_SNIPPET + MLP_LAYOUT_SCRIPT, config, str(tmp_path / "ckpt"),
                          json.dumps(blocks[first]), json.dumps(blocks[second]), ranks=2)
     layouts = ("two", "one gate_up_proj") if first == "absent" else ("one gate_up_proj", "two")
-    assert (f"saved with the MLPs' gate and up projections as {layouts[0]}, loaded as {layouts[1]}: ZeRO-3 fp32 "
-            "masters and Adam moments rebuilt per parameter") in output, output[-6000:]
+    said = ((f"saved with the MLPs' gate and up projections as {layouts[0]}, loaded as {layouts[1]}: ZeRO-3 fp32 "
+             "masters and Adam moments rebuilt per parameter") if stage == 3 else
+            "saved with the MLPs' gate and up projections in the other layout (no ZeRO): the optimizer state mapped "
+            "per parameter")
+    assert said in output, output[-6000:]
     result = torch.load(tmp_path / "ckpt" / "result.pt")
     assert result["fused"] == [first == "enabled", second == "enabled"] and result["steps"] == [3, 3]
     assert result["saved"].keys() == result["loaded"].keys()
