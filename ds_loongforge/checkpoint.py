@@ -43,6 +43,15 @@ when built.
 Either way the load ends with a check that cannot be fooled by sizes: every fp32 master this rank holds, rounded to
 the training dtype, must be the weight the checkpoint's module files hold for it (bit for bit, NaN matching NaN),
 as it is after every step. A mismatch is an error on every rank, naming the parameters.
+
+The MLP layout: LoongForge's FusedSwiGLUMLP trains one ``gate_up_proj`` where transformers has ``gate_proj`` and
+``up_proj`` (its state dict keeps transformers' keys, but DeepSpeed names optimizer state by parameter). A
+checkpoint of one layout loaded into an engine of the other (the block turned on for a stock run, or off, or
+removed, for a LoongForge one: ``integrations.deepspeed_hook`` installs this for every engine) has its optimizer
+state rebuilt per parameter, the rows joined or cut in halves: ZeRO-1/2 as above (DeepSpeed refused it), ZeRO-3 from
+each parameter's partitions (``SavedZero3``; DeepSpeed loaded it silently wrong on several ranks), and without ZeRO
+a torch optimizer's state by place (``_unpartitioned_state_across_mlp_layout``; torch refused it). ZeRO-3's
+consolidated 16-bit state dict (the HF Trainer's ``save_model``) gets transformers' keys (``stock_mlp_keys``).
 """
 
 from __future__ import annotations

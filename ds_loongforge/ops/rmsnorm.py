@@ -109,7 +109,7 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     kernel = None
     if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
-    if kernel is not None and weight.dtype not in (x.dtype, torch.float32) and weight.is_floating_point():
+    if kernel is not None and weight.dtype != x.dtype and weight.dtype in (torch.float16, torch.bfloat16):
         # the kernels take a weight of x's dtype or fp32; a 16-bit weight of another dtype (a bf16 model's norm fed
         # fp32 activations) is exact in fp32, and the product is rounded to x's dtype as with an fp32 weight. Its
         # gradient, summed in fp32, is rounded to the weight's dtype by the cast's backward
