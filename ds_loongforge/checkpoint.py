@@ -834,9 +834,12 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     if (not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "fp32_groups")
             or engine.fp16_enabled() or engine.bfloat16_enabled()):
         return None
-    from ds_loongforge.export import _model_states
+    from ds_loongforge.export import CheckpointExportError, _model_states
 
-    saved = _model_states(folder).get("optimizer")
+    try:
+        saved = _model_states(folder).get("optimizer")
+    except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
+        return None
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) or "state" not in saved:
         return None
     names = {id(p): n for n, p in engine.module.named_parameters()}

@@ -426,6 +426,43 @@ def test_scheduler_with_entries_per_script_group_is_left_as_saved(name):
     assert _comparable(scheduler.state_dict()) == _comparable(saved.state_dict())
 
 
+def test_unpartitioned_mlp_layout_check_leaves_other_checkpoints_to_deepspeed(tmp_path):
+    """The load every engine now takes (the block on, off or absent) looks at a checkpoint saved without ZeRO for
+    the other MLP layout: a tensor-parallel one (which the export's reader refuses) and one of the engine's own
+    layout go to DeepSpeed's load as they were, and an unfused engine maps a fused one."""
+    from types import SimpleNamespace
+
+    from ds_loongforge.checkpoint import _unpartitioned_state_across_mlp_layout
+    from ds_loongforge.export import MODEL_FILE
+
+    mlp = torch.nn.Module()
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = (torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(4, 6, bias=False),
+                                                 torch.nn.Linear(6, 4, bias=False))
+    module = torch.nn.ModuleDict({"mlp": mlp})
+    optimizer = torch.optim.AdamW(module.parameters())
+    engine = SimpleNamespace(module=module, optimizer=optimizer, fp16_enabled=lambda: False,
+                             bfloat16_enabled=lambda: False)
+    gate_up = {"step": torch.tensor(3.0), "exp_avg": torch.randn(12, 4), "exp_avg_sq": torch.rand(12, 4)}
+    down = {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 6), "exp_avg_sq": torch.rand(4, 6)}
+    fused_state = {"state": {0: gate_up, 1: down}, "param_groups": [{**optimizer.param_groups[0], "params": [0, 1]}]}
+    for name, states, expected in [("tp", {"mp_world_size": 2}, None),
+                                   ("same", {"optimizer": optimizer.state_dict()}, None),
+                                   ("fused", {"optimizer": fused_state}, "mapped")]:
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save({"module": {}, **states}, folder / MODEL_FILE)
+        got = _unpartitioned_state_across_mlp_layout(engine, str(folder))
+        if expected is None:
+            assert got is None, name
+            continue
+        assert got["param_groups"][0]["params"] == [0, 1, 2]
+        assert torch.equal(got["state"][0]["exp_avg"], gate_up["exp_avg"][:6])  # gate: the first rows
+        assert torch.equal(got["state"][1]["exp_avg_sq"], gate_up["exp_avg_sq"][6:])  # up: the rest
+        assert torch.equal(got["state"][2]["exp_avg"], down["exp_avg"])
+        assert got["state"][0]["step"] is not got["state"][1]["step"]  # AdamW counts each in place
+        optimizer.load_state_dict(got)
+
+
 def test_mlp_parameter_names_across_the_fused_mlp():
     """A checkpoint's gate_proj / up_proj for the fused MLP's gate_up_proj and the other way (the rows [gate; up]);
     the stacked experts' own gate_up_proj (no leaf) and other names are left alone."""
