@@ -7,9 +7,9 @@
   bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each rank, every
   expert-parallel rank's experts concatenated in order), under transformers' keys, and loads strictly into the
   stock model; ``from_pretrained`` reads the written folder back.
-- A dense injected Llama (fused gate/up MLP with biases, tied embeddings, one frozen weight): the fused gate_up
-  master comes out as transformers' gate_proj / up_proj, the tied lm_head as the embedding's master, the frozen
-  weight as saved.
+- A dense injected Llama (fused gate/up MLP with biases, tied embeddings, one frozen weight), under ZeRO-2 and
+  ZeRO-3: the fused gate_up master comes out as transformers' gate_proj / up_proj, the tied lm_head as the
+  embedding's master, the frozen weight as saved.
 - What must be an error: a missing rank's optimizer file, a missing expert's file or MoE layer, files of two
   different saves, a bad config. What must not: NaN masters (a diverged run), a checkpoint without its frozen
   weights (a warning).
