@@ -244,10 +244,10 @@ def _saved_with_other_mlp_params(engine, folder: str, model_file: str | None = N
     hold the same parameters under other names and boundaries: at ZeRO-1/2 its own load refuses them, at ZeRO-3 it
     copies each rank's partition as it is, so the MLPs' masters and moments become other rows' (``model_file``:
     the ZeRO-3 model file, whose ``param_shapes`` name the parameters)."""
-    from ds_loongforge.export import CheckpointExportError, _load, _model_states
+    from ds_loongforge.export import MODEL_FILE, CheckpointExportError, _model_states
 
     try:
-        states = _model_states(folder) if model_file is None else _load(os.path.join(folder, model_file))
+        states = _model_states(folder, model_file or MODEL_FILE)
     except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
         return False
     saved = {name for shapes in states.get("param_shapes") or [] for name in shapes}

@@ -92,8 +92,8 @@ def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
-def _model_states(folder: str) -> dict:
-    states = _load(os.path.join(folder, MODEL_FILE))
+def _model_states(folder: str, model_file: str = MODEL_FILE) -> dict:
+    states = _load(os.path.join(folder, model_file))
     dims = states.get("checkpoint_parallel_dimensions") or {}
     if states.get("mp_world_size", 1) != 1 or dims.get("tp_degree", 1) != 1 or dims.get("pp_degree", 1) != 1:
         raise CheckpointExportError(
@@ -338,13 +338,8 @@ def _zero3_state_dict(folder: str, source: str) -> dict[str, torch.Tensor]:
         raise CheckpointExportError(f"{folder} is a ZeRO-3 checkpoint, whose model files hold no weights (ZeRO-3 "
                                     "keeps them only as the optimizer's fp32 partitions): export the masters "
                                     "(source='masters', the default)")
-    states = _load(os.path.join(folder, ZERO3_MODEL_FILE))
-    dims = states.get("checkpoint_parallel_dimensions") or {}
-    if states.get("mp_world_size", 1) != 1 or dims.get("tp_degree", 1) != 1 or dims.get("pp_degree", 1) != 1:
-        raise CheckpointExportError(
-            f"{folder} was saved with tensor or pipeline parallelism (mp_world_size {states.get('mp_world_size')}, "
-            f"{dims}); only data and expert parallelism are supported")
-    keys = dict.fromkeys(states.get("module") or {})  # the model's state_dict() keys (empty tensors under ZeRO-3)
+    states = _model_states(folder, ZERO3_MODEL_FILE)
+    keys = dict.fromkeys(states["module"])  # the model's state_dict() keys (empty tensors under ZeRO-3)
     parent, tag = os.path.split(os.path.normpath(folder))
     with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints its progress; stdout is the CLI's summary
         assembled = get_fp32_state_dict_from_zero_checkpoint(parent, tag)

@@ -278,11 +278,10 @@ def test_zero0_exports_fp32_weights_and_refuses_16bit_masters(trained):
         assert value.dtype == torch.bfloat16 and torch.equal(value, want[key]), key
 
 
-def test_dense_llama_export_has_transformers_keys(trained, tmp_path):
-    from transformers import LlamaForCausalLM
-
+def _llama_export_is_the_masters(trained, name: str) -> dict:
+    """The llama run's export equals its run-time masters under transformers' keys (the tied lm_head, the frozen
+    weight as saved) and loads strictly into the stock model; returns those masters."""
     root, ranks = trained
-    name = "zero2_bf16_llama"
     masters = _under_transformers_keys(_expected(ranks, name, 1))
     assert "model.layers.1.mlp.up_proj.bias" in masters
     masters["lm_head.weight"] = masters["model.embed_tokens.weight"]  # tied
@@ -293,6 +292,15 @@ def test_dense_llama_export_has_transformers_keys(trained, tmp_path):
     for key, value in got.items():
         assert value.dtype == torch.float32 and torch.equal(value, masters[key]), key
     _stock("llama").load_state_dict(got, strict=True)
+    return masters
+
+
+def test_dense_llama_export_has_transformers_keys(trained, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    root, ranks = trained
+    name = "zero2_bf16_llama"
+    masters = _llama_export_is_the_masters(trained, name)
 
     _llama().save_pretrained(tmp_path / "config")  # a config with no "architectures": AutoModelForCausalLM's pick
     assert export(str(root / "ckpt" / name), str(tmp_path / "hf"), config=str(tmp_path / "config"))["model"] == \
@@ -312,14 +320,7 @@ def test_zero3_llama_export_has_transformers_keys(trained, tmp_path):
 
     root, ranks = trained
     name = "zero3_bf16_llama"
-    masters = _under_transformers_keys(_expected(ranks, name, 1))
-    masters["lm_head.weight"] = masters["model.embed_tokens.weight"]  # tied
-    masters[FROZEN] = ranks[0][name]["weights"][FROZEN].float()  # no master: the bf16 weight, exactly
-    got = load_state_dict(str(root / "ckpt" / name))
-    assert set(got) == set(masters)
-    for key, value in got.items():
-        assert value.dtype == torch.float32 and torch.equal(value, masters[key]), key
-    _stock("llama").load_state_dict(got, strict=True)
+    masters = _llama_export_is_the_masters(trained, name)
     _llama().save_pretrained(tmp_path / "config")
     export(str(root / "ckpt" / name), str(tmp_path / "hf"), config=str(tmp_path / "config"))
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
