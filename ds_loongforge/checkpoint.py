@@ -821,18 +821,29 @@ def _own(value):
     return value.clone() if torch.is_tensor(value) else value
 
 
+def _copy_of(value):
+    """A tensor, or a parameter's optimizer state, with tensors of its own."""
+    return {key: _own(v) for key, v in value.items()} if isinstance(value, dict) else _own(value)
+
+
 def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
-    """Without ZeRO, DeepSpeed saves a torch optimizer's own state dict, which knows parameters by their place in
-    its groups only: saved with LoongForge's fused MLP (one gate_up_proj at the gate's place) and loaded without it,
-    or the other way, torch refused it ("a parameter group that doesn't match the size of optimizer's group").
-    This engine's groups in the other layout (each gate_up_proj as gate_proj then up_proj, or those two as one
-    gate_up_proj where gate_proj was) must match the saved groups' sizes and every saved moment its parameter's
-    shape; then the state dict for this engine's parameters (the rows joined, or cut in halves), else None (not
-    this case: DeepSpeed's own load follows). Mixed-precision wrappers without ZeRO (FP16_Optimizer and its bf16
-    use) keep other formats and are left to DeepSpeed."""
+    """Without ZeRO, DeepSpeed saves a torch optimizer's own state dict (fp32), or FP16_UnfusedOptimizer's (bf16 or
+    fp16 with a client optimizer: that state dict plus a per-parameter fp32 master list), which know parameters by
+    their place in their groups only: saved with LoongForge's fused MLP (one gate_up_proj at the gate's place) and
+    loaded without it, or the other way, torch refused it ("a parameter group that doesn't match the size of
+    optimizer's group"). This engine's groups in the other layout (each gate_up_proj as gate_proj then up_proj, or
+    those two as one gate_up_proj where gate_proj was) must match the saved groups' sizes and every saved moment
+    and master its parameter's shape; then the state dict for this engine's parameters (the rows joined, or cut in
+    halves), else None (not this case: DeepSpeed's own load follows). FP16_Optimizer (DeepSpeed's own fused
+    optimizers in bf16/fp16: flat fp32 groups, no parameter boundaries saved) is left to DeepSpeed."""
     optimizer = engine.optimizer
-    if (not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "fp32_groups")
-            or engine.fp16_enabled() or engine.bfloat16_enabled()):
+    wrapped = type(optimizer).__name__ == "FP16_UnfusedOptimizer"
+    if wrapped:
+        groups_of_params = optimizer.fp16_groups
+    elif (isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "fp32_groups")
+          and not engine.fp16_enabled() and not engine.bfloat16_enabled()):
+        groups_of_params = [group["params"] for group in optimizer.param_groups]
+    else:
         return None
     from ds_loongforge.export import CheckpointExportError, _model_states
 
@@ -840,13 +851,15 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         saved = _model_states(folder).get("optimizer")
     except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
         return None
-    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) or "state" not in saved:
+    inner = saved.get("optimizer_state_dict") if wrapped and isinstance(saved, dict) else saved
+    if (not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) or "state" not in inner
+            or (wrapped and not isinstance(saved.get("fp32_groups"), list))):
         return None
     names = {id(p): n for n, p in engine.module.named_parameters()}
     params = {n: p for n, p in engine.module.named_parameters()}
-    groups = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
-    if (len(groups) != len(saved["param_groups"]) or any(None in group for group in groups)
-            or all(len(g) == len(s["params"]) for g, s in zip(groups, saved["param_groups"]))):
+    groups = [[names.get(id(p)) for p in group] for group in groups_of_params]
+    if (len(groups) != len(inner["param_groups"]) or any(None in group for group in groups)
+            or all(len(g) == len(s["params"]) for g, s in zip(groups, inner["param_groups"]))):
         return None
     shapes: dict[str, torch.Size] = {}  # the other layout's parameters, and their shapes
     other = []
@@ -869,39 +882,56 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
             names_other.append(name)
             shapes[name] = params[name].shape
         other.append(names_other)
-    if [len(g) for g in other] != [len(s["params"]) for s in saved["param_groups"]]:
+    if [len(g) for g in other] != [len(s["params"]) for s in inner["param_groups"]]:
         return None
-    saved_index = {}  # other-layout name -> the saved state's index
-    for names_other, saved_group in zip(other, saved["param_groups"]):
+    saved_index, saved_master = {}, {}  # other-layout name -> the saved state's index / fp32 master
+    for g, (names_other, saved_group) in enumerate(zip(other, inner["param_groups"])):
         saved_index.update(zip(names_other, saved_group["params"]))
+        if wrapped:
+            saved_master.update(zip(names_other, saved["fp32_groups"][g]))
     for name, index in saved_index.items():
-        moment = saved["state"].get(index, {}).get("exp_avg")
-        if moment is not None and moment.shape != shapes[name]:
+        moment = inner["state"].get(index, {}).get("exp_avg")
+        master = saved_master.get(name)
+        if any(t is not None and t.shape != shapes[name] for t in (moment, master)):
             return None
-    state, param_groups, index = {}, [], 0
-    for group, saved_group in zip(groups, saved["param_groups"]):
-        indices = []
+
+    def mapped(name: str, fetch):
+        """This engine's parameter ``name`` from ``fetch(saved name)``, a tensor or a parameter's state dict: the
+        two saved halves joined, the saved whole cut, or the same; tensors of its own (torch's AdamW counts a
+        parameter's step in place); None where the saved run had nothing."""
+        module, fused, leaf = name.rpartition("gate_up_proj.")
+        if fused and "." not in leaf:
+            parts = [fetch(f"{module}{part}{leaf}") for part in ("gate_proj.", "up_proj.")]
+            if any(part is None for part in parts):
+                return None
+            join = lambda a, b: torch.cat([a, b]) if _per_element(a) else _own(a)  # noqa: E731 (a step: the gate's)
+            return ({key: join(value, parts[1][key]) for key, value in parts[0].items()}
+                    if isinstance(parts[0], dict) else join(*parts))
+        if name in saved_index:
+            value = fetch(name)
+            return None if value is None else _copy_of(value)
+        whole, half = _unfused_mlp_half(name, params)
+        value = fetch(whole)
+        if value is None:
+            return None
+        cut = lambda v: v.chunk(2)[half].clone() if _per_element(v) else _own(v)  # noqa: E731
+        return {key: cut(v) for key, v in value.items()} if isinstance(value, dict) else cut(value)
+
+    state, param_groups, masters, index = {}, [], [], 0
+    for group, saved_group in zip(groups, inner["param_groups"]):
+        indices, group_masters = [], []
         for name in group:
-            module, fused, leaf = name.rpartition("gate_up_proj.")
-            if fused and "." not in leaf:
-                parts = [saved["state"].get(saved_index[f"{module}{part}{leaf}"]) for part in ("gate_proj.", "up_proj.")]
-                if all(parts):  # per-element tensors joined, the step count (a scalar) kept
-                    state[index] = {key: torch.cat([value, parts[1][key]]) if _per_element(value) else _own(value)
-                                    for key, value in parts[0].items()}
-            elif name in saved_index:
-                if saved_index[name] in saved["state"]:
-                    state[index] = {key: _own(value) for key, value in saved["state"][saved_index[name]].items()}
-            else:
-                whole, half = _unfused_mlp_half(name, params)
-                held = saved["state"].get(saved_index[whole])
-                if held is not None:
-                    # every tensor its own: torch's AdamW counts a parameter's step in place
-                    state[index] = {key: value.chunk(2)[half].clone() if _per_element(value) else _own(value)
-                                    for key, value in held.items()}
+            held = mapped(name, lambda n: inner["state"].get(saved_index[n]))
+            if held is not None:
+                state[index] = held
+            if wrapped:
+                group_masters.append(mapped(name, saved_master.get))
             indices.append(index)
             index += 1
         param_groups.append({**saved_group, "params": indices})
-    return {"state": state, "param_groups": param_groups}
+        masters.append(group_masters)
+    converted = {"state": state, "param_groups": param_groups}
+    return {**saved, "optimizer_state_dict": converted, "fp32_groups": masters} if wrapped else converted
 
 
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,

@@ -672,8 +672,11 @@ def step(engine, ids):
 
 def full(engine, p, key):
     value = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
-    if value is None and not engine.zero_optimization():  # fp32 without ZeRO: the weight and torch's own state
-        value = p.detach().clone() if key is None else engine.optimizer.state[p][key].clone()
+    if value is None and not engine.zero_optimization():  # without ZeRO: torch's own state, of the weight (fp32)
+        opt = engine.optimizer                            # or of DeepSpeed's fp32 master of it (bf16/fp16)
+        master = next((b for g16, g32 in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", []))
+                       for a, b in zip(g16, g32) if a is p), p)
+        value = master.detach().clone() if key is None else getattr(opt, "optimizer", opt).state[master][key].clone()
     return value
 
 
@@ -782,6 +785,8 @@ leave()
     (3, "enabled", "absent", "bf16"),  # ... or removed
     (0, "absent", "enabled", "fp32"),
     (0, "enabled", "disabled", "fp32"),
+    (0, "absent", "enabled", "bf16"),  # DeepSpeed's FP16_UnfusedOptimizer around the script's AdamW
+    (0, "enabled", "absent", "bf16"),
 ])
 def test_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, stage, first, second, dtype):
     """ZeRO-3 partitions each parameter on its own, so one gate_up_proj and the gate_proj + up_proj it fuses cut
