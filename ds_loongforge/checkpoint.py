@@ -88,7 +88,31 @@ def _expert_rank(param) -> tuple[int, int]:
             groups._get_expert_parallel_world_size(param.group_name))
 
 
-class SavedOptimizer:
+class _SavedRankFiles:
+    """The optimizer files of one saved step, one a rank (``_files``, ``world``, ``folder``), read when first used."""
+
+    def optim(self, rank: int) -> dict:
+        """Rank ``rank``'s saved optimizer state dict, read (memory-mapped) on first use: comparing layouts reads
+        rank 0's alone, rebuilding the state every rank's."""
+        if rank not in self._optim:
+            from ds_loongforge.export import _load
+
+            self._optim[rank] = _load(self._files[rank])["optimizer_state_dict"]
+        return self._optim[rank]
+
+    def _step(self, key: str):
+        """The base optimizer's step count (None before the first step; its state dict is each file's ``key``), the
+        same in every saved group and rank, else an error."""
+        states = [state for rank in range(self.world) for state in self.optim(rank)[key]["state"].values()]
+        steps = {None if "step" not in state else float(state["step"]) for state in states}
+        if len(steps) > 1:
+            raise CheckpointLayoutError(f"{self.folder}: the saved optimizer groups have taken different numbers of "
+                                        f"steps ({sorted(steps, key=str)}); one step count is needed to load them at "
+                                        "another layout")
+        return next((state["step"] for state in states if "step" in state), None)
+
+
+class SavedOptimizer(_SavedRankFiles):
     """The ZeRO-1/2 optimizer files of one saved step: its layout, and each parameter's fp32 master and moments
     rebuilt from the ranks' partitions (memory-mapped; one parameter is materialised at a time)."""
 
@@ -124,15 +148,6 @@ class SavedOptimizer:
             ep_size = self.world // count
             self.expert_layout[g] = (ep_size, *expert_data_parallel_ranks(self.world, ep_size, self.before))
 
-    def optim(self, rank: int) -> dict:
-        """Rank ``rank``'s saved optimizer state dict, read (memory-mapped) on first use: comparing layouts reads
-        rank 0's alone, rebuilding the state every rank's."""
-        if rank not in self._optim:
-            from ds_loongforge.export import _load
-
-            self._optim[rank] = _load(self._files[rank])["optimizer_state_dict"]
-        return self._optim[rank]
-
     def step(self):
         """The base optimizer's step count, the same in every saved group and rank (an error otherwise, or when the
         files cannot be cut per parameter)."""
@@ -142,14 +157,7 @@ class SavedOptimizer:
                 f"{self.folder} was saved with \"elastic_checkpoint\": true (or by a DeepSpeed that does not record "
                 "each parameter's place in the partitions): its optimizer state loads only at the world size, "
                 "ep_size and expert-parallel layout it was saved with")
-        steps = {None if "step" not in state else float(state["step"]) for rank in range(self.world)
-                 for state in self.optim(rank)["base_optimizer_state"]["state"].values()}
-        if len(steps) > 1:
-            raise CheckpointLayoutError(f"{self.folder}: the saved optimizer groups have taken different numbers of "
-                                        f"steps ({sorted(steps, key=str)}); one step count is needed to load them at "
-                                        "another layout")
-        return next((state["step"] for state in first["base_optimizer_state"]["state"].values()
-                     if "step" in state), None)
+        return self._step("base_optimizer_state")
 
     def ep_of(self, group: int, rank: int) -> tuple[int, int] | None:
         """(expert-parallel rank, ep_size) a rank had in a saved expert group; None for a dense group."""
@@ -216,25 +224,40 @@ def _other_mlp_layout(saved, name: str, key: str) -> torch.Tensor:
                                 "(saved from another model?)")
 
 
-def fused_mlp_parts(name: str, saved: dict) -> list[str] | None:
-    """``[<mlp>.gate_proj.<leaf>, <mlp>.up_proj.<leaf>]`` for ``<mlp>.gate_up_proj.<leaf>`` (FusedSwiGLUMLP, rows
-    [gate; up]) when both are in ``saved``; else None."""
+def _mlp_parts(name: str) -> list[str] | None:
+    """``[<mlp>.gate_proj.<leaf>, <mlp>.up_proj.<leaf>]`` for a name ``<mlp>.gate_up_proj.<leaf>`` (FusedSwiGLUMLP,
+    rows [gate; up]); else None (the stacked experts' own ``gate_up_proj`` has no leaf)."""
     module, _, rest = name.rpartition("gate_up_proj.")
     if not rest or "." in rest:
         return None
-    parts = [f"{module}gate_proj.{rest}", f"{module}up_proj.{rest}"]
-    return parts if all(part in saved for part in parts) else None
+    return [f"{module}gate_proj.{rest}", f"{module}up_proj.{rest}"]
 
 
-def split_mlp_part(name: str, saved: dict) -> tuple[str, int] | None:
-    """``(<mlp>.gate_up_proj.<leaf>, 0 or 1)`` for ``<mlp>.gate_proj.<leaf>`` / ``<mlp>.up_proj.<leaf>`` when only
-    the fused one is in ``saved``; else None."""
+def _mlp_half(name: str) -> tuple[str, int] | None:
+    """``(<mlp>.gate_up_proj.<leaf>, 0 or 1)`` for a name ``<mlp>.gate_proj.<leaf>`` / ``<mlp>.up_proj.<leaf>``."""
     for half, proj in enumerate(("gate_proj.", "up_proj.")):
         module, _, rest = name.rpartition(proj)
         if rest and "." not in rest and (not module or module.endswith(".")):
-            whole = f"{module}gate_up_proj.{rest}"
-            return (whole, half) if whole in saved else None
+            return f"{module}gate_up_proj.{rest}", half
     return None
+
+
+def fused_mlp_parts(name: str, saved: dict) -> list[str] | None:
+    """``_mlp_parts(name)`` when both are in ``saved``; else None."""
+    parts = _mlp_parts(name)
+    return parts if parts is not None and all(part in saved for part in parts) else None
+
+
+def split_mlp_part(name: str, saved: dict) -> tuple[str, int] | None:
+    """``_mlp_half(name)`` when the fused one is in ``saved``; else None."""
+    half = _mlp_half(name)
+    return half if half is not None and half[0] in saved else None
+
+
+def _has_mlp_projections(names) -> bool:
+    """Whether any of these parameter names is an MLP's gate_up_proj or gate_proj / up_proj (a model without them,
+    Mixtral's stacked experts for one, has no MLP layout to differ in)."""
+    return any(_mlp_parts(name) is not None or _mlp_half(name) is not None for name in names)
 
 
 def _saved_with_other_mlp_params(engine, folder: str, model_file: str | None = None) -> bool:
@@ -246,13 +269,15 @@ def _saved_with_other_mlp_params(engine, folder: str, model_file: str | None = N
     the ZeRO-3 model file, whose ``param_shapes`` name the parameters)."""
     from ds_loongforge.export import MODEL_FILE, CheckpointExportError, _model_states
 
+    names = list((getattr(engine.optimizer, "param_names", None) or {}).values())
+    if not _has_mlp_projections(names):  # no layout to differ in: the model file is not read
+        return False
     try:
         states = _model_states(folder, model_file or MODEL_FILE)
     except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
         return False
     saved = {name for shapes in states.get("param_shapes") or [] for name in shapes}
-    names = list((getattr(engine.optimizer, "param_names", None) or {}).values())
-    if not saved or not names or set(names) == saved:
+    if not saved or set(names) == saved:
         return False
     missing = [name for name in names if name not in saved]
     return all(fused_mlp_parts(name, saved) is not None or split_mlp_part(name, saved) is not None
@@ -333,7 +358,7 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
-class SavedZero3:
+class SavedZero3(_SavedRankFiles):
     """The ZeRO-3 files of one saved step: each trainable parameter's fp32 master and Adam moments, whole, cut out
     of the ranks' partitions as DeepSpeed's ``zero_to_fp32`` cuts the masters. ZeRO-3 partitions every parameter on
     its own, ``ceil(numel / world)`` elements a rank (the last rank's padded), one after another in the model
@@ -368,22 +393,8 @@ class SavedZero3:
                 raise CheckpointLayoutError(f"{folder}: optimizer partition {g} holds {size} elements a rank, its "
                                             f"parameters {at}: it cannot be cut per parameter")
 
-    def optim(self, rank: int) -> dict:
-        if rank not in self._optim:
-            from ds_loongforge.export import _load
-
-            self._optim[rank] = _load(self._files[rank])["optimizer_state_dict"]
-        return self._optim[rank]
-
     def step(self):
-        """The base optimizer's step count (None before the first step), the same in every sub-group and rank."""
-        states = [state for rank in range(self.world)
-                  for state in self.optim(rank)["optimizer_state_dict"]["state"].values()]
-        steps = {None if "step" not in state else float(state["step"]) for state in states}
-        if len(steps) > 1:
-            raise CheckpointLayoutError(f"{self.folder}: the saved optimizer partitions have taken different numbers "
-                                        f"of steps ({sorted(steps, key=str)})")
-        return next((state["step"] for state in states if "step" in state), None)
+        return self._step("optimizer_state_dict")
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         """A parameter's saved ``key`` ('fp32', 'exp_avg', 'exp_avg_sq'), whole, in fp32 (an MLP saved in the other
@@ -803,14 +814,10 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
 
 
 def _unfused_mlp_half(name: str, params: dict) -> tuple[str, int] | None:
-    """``(<mlp>.gate_up_proj.<leaf>, 0 or 1)`` for ``<mlp>.gate_proj.<leaf>`` / ``<mlp>.up_proj.<leaf>`` of a module
-    that has both (the unfused form of a FusedSwiGLUMLP's parameter); else None."""
-    for half, proj in enumerate(("gate_proj.", "up_proj.")):
-        module, found, leaf = name.rpartition(proj)
-        if (found and "." not in leaf and (not module or module.endswith("."))
-                and all(f"{module}{p}{leaf}" in params for p in ("gate_proj.", "up_proj."))):
-            return f"{module}gate_up_proj.{leaf}", half
-    return None
+    """``_mlp_half(name)`` of a module that has both gate_proj and up_proj in ``params`` (the unfused form of a
+    FusedSwiGLUMLP's parameter); else None."""
+    half = _mlp_half(name)
+    return half if half is not None and fused_mlp_parts(half[0], params) is not None else None
 
 
 def _per_element(value) -> bool:
@@ -845,6 +852,9 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         groups_of_params = [group["params"] for group in optimizer.param_groups]
     else:
         return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    if not _has_mlp_projections(names.values()):  # no layout to differ in: the model file is not read
+        return None
     from ds_loongforge.export import CheckpointExportError, _model_states
 
     try:
@@ -855,7 +865,6 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     if (not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) or "state" not in inner
             or (wrapped and not isinstance(saved.get("fp32_groups"), list))):
         return None
-    names = {id(p): n for n, p in engine.module.named_parameters()}
     params = {n: p for n, p in engine.module.named_parameters()}
     groups = [[names.get(id(p)) for p in group] for group in groups_of_params]
     if (len(groups) != len(inner["param_groups"]) or any(None in group for group in groups)
@@ -866,11 +875,11 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     for group in groups:
         names_other = []
         for name in group:
-            module, fused, leaf = name.rpartition("gate_up_proj.")
-            if fused and "." not in leaf:  # this engine fused: the saved run had gate then up
-                for part, half in zip(("gate_proj.", "up_proj."), params[name].chunk(2)):
-                    names_other.append(f"{module}{part}{leaf}")
-                    shapes[names_other[-1]] = half.shape
+            parts = _mlp_parts(name)
+            if parts is not None:  # this engine fused: the saved run had gate then up
+                for part, half in zip(parts, params[name].chunk(2)):
+                    names_other.append(part)
+                    shapes[part] = half.shape
                 continue
             half = _unfused_mlp_half(name, params)
             if half is not None:  # this engine unfused: the saved run had gate_up_proj at the gate's place
@@ -899,9 +908,9 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         """This engine's parameter ``name`` from ``fetch(saved name)``, a tensor or a parameter's state dict: the
         two saved halves joined, the saved whole cut, or the same; tensors of its own (torch's AdamW counts a
         parameter's step in place); None where the saved run had nothing."""
-        module, fused, leaf = name.rpartition("gate_up_proj.")
-        if fused and "." not in leaf:
-            parts = [fetch(f"{module}{part}{leaf}") for part in ("gate_proj.", "up_proj.")]
+        parts = _mlp_parts(name)
+        if parts is not None:
+            parts = [fetch(part) for part in parts]
             if any(part is None for part in parts):
                 return None
             join = lambda a, b: torch.cat([a, b]) if _per_element(a) else _own(a)  # noqa: E731 (a step: the gate's)
@@ -1007,20 +1016,19 @@ def stock_mlp_keys(module, state):
     ``get_state_dict``) under the keys ``module.state_dict()`` gives: each FusedSwiGLUMLP's ``gate_up_proj`` as
     transformers' ``gate_proj`` and ``up_proj`` rows, in its place. Without this a model saved that way had
     ``gate_up_proj`` keys, and stock transformers initialised its MLPs at random (with a warning only)."""
-    from ds_loongforge.modules.norm_mlp import FusedSwiGLUMLP
+    from ds_loongforge.modules.norm_mlp import FusedSwiGLUMLP, _split_gate_up_state
 
-    fused = {f"{name}{'.' if name else ''}gate_up_proj.{kind}": (name + "." if name else "", kind)
+    fused = {f"{name}{'.' if name else ''}gate_up_proj.{kind}": name + "." if name else ""
              for name, m in module.named_modules() if isinstance(m, FusedSwiGLUMLP) for kind in ("weight", "bias")}
     if not state or not any(key in fused for key in state):
         return state
     out = type(state)()
     for key, value in state.items():
-        if key not in fused:
-            out[key] = value
-            continue
-        prefix, kind = fused[key]
-        gate, up = value.chunk(2, dim=0)  # copies: safetensors refuses tensors that share storage
-        out[f"{prefix}gate_proj.{kind}"], out[f"{prefix}up_proj.{kind}"] = gate.clone(), up.clone()
+        piece = {key: value}
+        if key in fused:  # the module's own state_dict hook, on this entry
+            _split_gate_up_state(None, piece, fused[key], None)
+            piece = {k: v.clone() for k, v in piece.items()}  # copies: safetensors refuses shared storage
+        out.update(piece)
     return out
 
 
