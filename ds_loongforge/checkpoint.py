@@ -260,6 +260,17 @@ def _has_mlp_projections(names) -> bool:
     return any(_mlp_parts(name) is not None or _mlp_half(name) is not None for name in names)
 
 
+def _optimized_names(engine) -> list[str]:
+    """The names of the parameters ``engine``'s ZeRO optimizer holds, as its checkpoints' ``param_shapes`` name
+    them: frozen parameters are not among them (DeepSpeed saves those apart, ``_frozen_in_engine_layout``)."""
+    optimizer = engine.optimizer
+    names = getattr(optimizer, "param_names", None) or {}
+    groups = _lp_groups(optimizer) or getattr(optimizer, "fp16_groups", None)
+    if not groups:
+        return list(names.values())
+    return [names[p] for params in groups for p in params if p in names]
+
+
 def _saved_with_other_mlp_params(engine, folder: str, model_file: str | None = None) -> bool:
     """Whether the checkpoint holds an MLP's gate and up projections as this engine does not: one gate_up_proj
     where the engine has gate_proj and up_proj, or the other way (saved with LoongForge's fused MLP on and loaded
@@ -269,7 +280,7 @@ def _saved_with_other_mlp_params(engine, folder: str, model_file: str | None = N
     the ZeRO-3 model file, whose ``param_shapes`` name the parameters)."""
     from ds_loongforge.export import MODEL_FILE, CheckpointExportError, _model_states
 
-    names = list((getattr(engine.optimizer, "param_names", None) or {}).values())
+    names = _optimized_names(engine)
     if not _has_mlp_projections(names):  # no layout to differ in: the model file is not read
         return False
     try:
@@ -501,7 +512,7 @@ def _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_
         return result
     moments = load_optimizer_states and not load_module_only
     load_zero3_state(engine, saved, moments)
-    fused = any(split_mlp_part(name, saved.shapes) for name in engine.optimizer.param_names.values())
+    fused = any(split_mlp_part(name, saved.shapes) for name in _optimized_names(engine))
     logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: ZeRO-3 fp32 "
                 "masters%s rebuilt per parameter", folder, *(("one gate_up_proj", "two") if fused
                                                           else ("two", "one gate_up_proj")),
@@ -943,9 +954,98 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     return {**saved, "optimizer_state_dict": converted, "fp32_groups": masters} if wrapped else converted
 
 
+def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
+    """A checkpoint's ``frozen_param_fragments`` (ZeRO-2/3 save the parameters their optimizer does not hold by
+    name, whole at ZeRO-2, each rank's partition at ZeRO-3) under this engine's names: DeepSpeed's load looks each
+    frozen parameter up by its name, so a frozen MLP saved in the other layout (a frozen fused gate_up_proj where
+    this engine has gate_proj and up_proj, or the other way) was a KeyError. Those are joined or cut from the saved
+    ones; at ZeRO-3, from every saved rank's partition, and every frozen parameter is then cut to this rank's
+    partition at this world size. Unchanged when every name is there or a missing one is no MLP's other half."""
+    from deepspeed.runtime.utils import is_optimized_parameter
+
+    frozen = {name: p for name, p in engine.module.named_parameters() if not is_optimized_parameter(p)}
+    missing = [name for name in frozen if name not in fragments]
+    if not missing or not all(fused_mlp_parts(name, fragments) or split_mlp_part(name, fragments)
+                              for name in missing):
+        return fragments
+    partitioned = any(hasattr(p, "ds_id") for p in frozen.values())
+    if partitioned:  # ZeRO-3: each saved parameter whole, from every saved rank's partition
+        import deepspeed.comm as dist
+
+        from ds_loongforge.export import ZERO3_MODEL_FILE, _load, zero3_model_file
+
+        states = _load(os.path.join(folder, ZERO3_MODEL_FILE))
+        world, shapes = int(states["dp_world_size"]), states["frozen_param_shapes"]
+        ranks = [_load(os.path.join(folder, zero3_model_file(r)))["frozen_param_fragments"] for r in range(world)]
+        saved = {name: torch.cat([rank[name].reshape(-1) for rank in ranks])[:torch.Size(shape).numel()]
+                 .view(shape) for name, shape in shapes.items()}
+    else:
+        saved = fragments
+    out, partition_group = {}, getattr(engine.optimizer, "_get_param_partition_group", None)
+    for name, param in frozen.items():
+        if name in saved:
+            whole = saved[name]
+        elif (parts := fused_mlp_parts(name, saved)) is not None:
+            whole = torch.cat([saved[part] for part in parts])
+        else:
+            fused, half = split_mlp_part(name, saved)
+            whole = saved[fused].chunk(2)[half]
+        shape = param.ds_shape if partitioned else param.shape
+        if whole.shape != shape:
+            raise CheckpointLayoutError(f"{folder}: the frozen parameter {name} was saved as {tuple(whole.shape)}, "
+                                        f"this model's is {tuple(shape)}")
+        if partitioned:
+            group = partition_group(param) if partition_group is not None else None
+            per_rank, rank = param.partition_numel(), dist.get_rank(group=group)
+            flat = whole.reshape(-1)
+            flat = torch.cat([flat, flat.new_zeros(per_rank * dist.get_world_size(group=group) - flat.numel())])
+            whole = flat.narrow(0, rank * per_rank, per_rank)
+        out[name] = whole
+    logger.info("[LoongForge] %s: frozen MLP projections saved in the other layout (%s) loaded by this engine's "
+                "names", folder, ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else ""))
+    return out
+
+
+@contextlib.contextmanager
+def _frozen_by_engine_names(engine, folder: str):
+    """DeepSpeed's module load, during this ``load_checkpoint``, with the checkpoint's frozen parameters under this
+    engine's names (``_frozen_in_engine_layout``)."""
+    own = vars(engine).get("load_module_state_dict")
+    load_module_state_dict = engine.load_module_state_dict
+
+    def load_module(*args, **kwargs):
+        checkpoint = kwargs["checkpoint"] if "checkpoint" in kwargs else args[0]
+        if checkpoint.get("frozen_param_fragments") is not None:
+            checkpoint = {**checkpoint, "frozen_param_fragments": _frozen_in_engine_layout(
+                engine, folder, checkpoint["frozen_param_fragments"])}
+            if "checkpoint" in kwargs:
+                kwargs["checkpoint"] = checkpoint
+            else:
+                args = (checkpoint, *args[1:])
+        return load_module_state_dict(*args, **kwargs)
+
+    engine.load_module_state_dict = load_module
+    try:
+        yield
+    finally:
+        if own is None:
+            del engine.load_module_state_dict
+        else:
+            engine.load_module_state_dict = own
+
+
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
+    from ds_loongforge.export import tag_folder
+
+    with _frozen_by_engine_names(engine, tag_folder(load_dir, tag)):
+        return _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_optimizer_states,
+                                load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+
+def _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_optimizer_states,
+                     load_lr_scheduler_states, load_module_only, custom_load_fn):
     from ds_loongforge.export import MODEL_FILE, ZERO3_MODEL_FILE, tag_folder
 
     kwargs = dict(load_module_strict=load_module_strict, load_lr_scheduler_states=load_lr_scheduler_states,
@@ -995,7 +1095,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
         if result[0] is not None:
             load_saved_optimizer_state(engine, saved)
             if mlp_renamed:
-                fused = any(split_mlp_part(name, saved.shapes) for name in engine.optimizer.param_names.values())
+                fused = any(split_mlp_part(name, saved.shapes) for name in _optimized_names(engine))
                 logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: "
                             "fp32 masters and Adam moments rebuilt from the saved partitions", folder,
                             *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")))

@@ -74,7 +74,12 @@ def tag_folder(checkpoint_dir: str, tag: str | None = None) -> str:
     return checkpoint_dir
 
 
-ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # DeepSpeedEngine._get_ckpt_name under ZeRO-3
+def zero3_model_file(rank: int) -> str:
+    """Data-parallel rank ``rank``'s model file under ZeRO-3 (DeepSpeedEngine._get_ckpt_name)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+ZERO3_MODEL_FILE = zero3_model_file(0)
 
 
 def checkpoint_folder(checkpoint_dir: str, tag: str | None = None) -> str:

@@ -7,9 +7,9 @@
   bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each rank, every
   expert-parallel rank's experts concatenated in order), under transformers' keys, and loads strictly into the
   stock model; ``from_pretrained`` reads the written folder back.
-- A dense injected Llama (fused gate/up MLP with biases, tied embeddings, one frozen weight), under ZeRO-2 and
-  ZeRO-3: the fused gate_up master comes out as transformers' gate_proj / up_proj, the tied lm_head as the
-  embedding's master, the frozen weight as saved.
+- A dense injected Llama (fused gate/up MLP with biases, tied embeddings, a frozen weight and a frozen fused MLP),
+  under ZeRO-2 and ZeRO-3: the fused gate_up master comes out as transformers' gate_proj / up_proj, the tied
+  lm_head as the embedding's master, the frozen weights as saved (the frozen gate_up_proj cut as the master is).
 - What must be an error: a missing rank's optimizer file, a missing expert's file or MoE layer, files of two
   different saves, a bad config. What must not: NaN masters (a diverged run), a checkpoint without its frozen
   weights (a warning).
@@ -79,6 +79,7 @@ RUNS = {
     "zero3_bf16_llama": ("llama", _ds_config(3, True, 1, False)),
 }
 FROZEN = "model.layers.0.self_attn.q_proj.weight"  # frozen in the llama run
+FROZEN_MLP = "model.layers.0.mlp"  # its gate_proj and up_proj frozen too: the injected gate_up_proj is frozen
 
 
 def _forget_expert_groups() -> None:
@@ -112,6 +113,8 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
         elif family == "llama":
             model = LlamaForCausalLM(_llama())
             model.get_parameter(FROZEN).requires_grad_(False)
+            for proj in ("gate_proj", "up_proj"):
+                model.get_submodule(f"{FROZEN_MLP}.{proj}").requires_grad_(False)
         else:
             model = build(family)
         engine, *_ = ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -286,7 +289,11 @@ def _llama_export_is_the_masters(trained, name: str) -> dict:
     assert "model.layers.1.mlp.up_proj.bias" in masters
     masters["lm_head.weight"] = masters["model.embed_tokens.weight"]  # tied
     assert FROZEN not in masters
-    masters[FROZEN] = ranks[0][name]["weights"][FROZEN].float()  # no master: the bf16 weight, exactly
+    weights = ranks[0][name]["weights"]
+    masters[FROZEN] = weights[FROZEN].float()  # no master: the bf16 weight, exactly
+    frozen_mlp = {n: w.float() for n, w in weights.items() if n.startswith(f"{FROZEN_MLP}.gate_up_proj.")}
+    assert frozen_mlp and not set(_under_transformers_keys(frozen_mlp)) & set(masters)
+    masters.update(_under_transformers_keys(frozen_mlp))
     got = load_state_dict(str(root / "ckpt" / name))
     assert set(got) == set(masters)
     for key, value in got.items():

@@ -657,11 +657,13 @@ out = sys.argv[2]
 batches = torch.randint(0, 64, (3, 2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def engine_for(config):
+def engine_for(config, frozen=()):  # frozen: parameters whose names hold one of these (left out of the optimizer)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not any(part in name for part in frozen))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
@@ -671,6 +673,8 @@ def step(engine, ids):
 
 
 def full(engine, p, key):
+    # DeepSpeed's ZeRO-1/2 links each parameter to its Adam moments at the first step (also after its own load)
+    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
     value = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
     if value is None and not engine.zero_optimization():  # without ZeRO: torch's own state, of the weight (fp32)
         opt = engine.optimizer                            # or of DeepSpeed's fp32 master of it (bf16/fp16)
@@ -683,7 +687,11 @@ def full(engine, p, key):
 def states(engine):
     out = {}
     for name, p in engine.module.named_parameters():
-        values = [full(engine, p, key) for key in (None, "exp_avg", "exp_avg_sq")]
+        if p.requires_grad:
+            values = [full(engine, p, key) for key in (None, "exp_avg", "exp_avg_sq")]
+        else:  # frozen: the weight, three times (no master, no moments)
+            with deepspeed.zero.GatheredParameters([p]):
+                values = [p.detach().float().clone()] * 3
         if "gate_up_proj" in name:
             for part, half in zip(("gate_proj", "up_proj"), zip(*(v.chunk(2) for v in values))):
                 out[name.replace("gate_up_proj", part)] = torch.stack(half)
@@ -760,7 +768,8 @@ def test_stock_zero_checkpoint_resumes_with_fused_mlps(tmp_path, autoload_instal
 MLP_LAYOUT_SCRIPT = LLAMA_ENGINE_SNIPPET + """
 base = json.load(open(sys.argv[1]))
 blocks = [json.loads(arg) for arg in sys.argv[3:5]]
-first, second = (engine_for(base if block is None else {**base, "loongforge": block}) for block in blocks)
+frozen = json.loads(sys.argv[5])
+first, second = (engine_for(base if block is None else {**base, "loongforge": block}, frozen) for block in blocks)
 for ids in batches[:2]:
     step(first, ids)
 first.save_checkpoint(out, tag="ckpt")
@@ -796,19 +805,59 @@ def test_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, stage, fi
     torch refused it ("a parameter group that doesn't match the size"). The load now rebuilds them per parameter,
     in both directions, also for an engine whose config has the block off or absent (ZeRO-1/2: the tests above);
     the next step is the saving engine's."""
-    import torch
-
-    blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
-    config = {**DS_BASE, "zero_optimization": zero, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}}
-    output = _run_script(tmp_path, MODEL_SNIPPET + MLP_LAYOUT_SCRIPT, config, str(tmp_path / "ckpt"),
-                         json.dumps(blocks[first]), json.dumps(blocks[second]), ranks=2)
     layouts = ("two", "one gate_up_proj") if first == "absent" else ("one gate_up_proj", "two")
     said = ((f"saved with the MLPs' gate and up projections as {layouts[0]}, loaded as {layouts[1]}: ZeRO-3 fp32 "
              "masters and Adam moments rebuilt per parameter") if stage == 3 else
             "saved with the MLPs' gate and up projections in the other layout (no ZeRO): the optimizer state mapped "
             "per parameter")
+    output = _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype)
     assert said in output, output[-6000:]
+
+
+@pytest.mark.parametrize("stage, first, second, dtype, frozen", [
+    (3, "enabled", "absent", "fp32", ["embed_tokens"]),  # was loaded silently wrong, as without frozen parameters
+    (3, "absent", "enabled", "bf16", ["mlp"]),  # was a KeyError: the frozen gate_up_proj looked up by name
+    (3, "enabled", "disabled", "fp32", ["layers.0.mlp"]),  # one MLP frozen, the other trained
+    (2, "absent", "enabled", "bf16", ["embed_tokens", "layers.0.mlp"]),  # "parameter-alignment layout", KeyError
+    (2, "enabled", "absent", "fp32", ["mlp"]),
+    (1, "enabled", "absent", "fp32", ["embed_tokens"]),
+])
+def test_checkpoint_across_the_fused_mlp_with_frozen_parameters(tmp_path, autoload_installed, stage, first, second,
+                                                                dtype, frozen):
+    """Frozen parameters (a fine-tune that trains part of the model): the layout check compared the saved
+    optimizer's parameter names with all of the engine's, frozen ones included, so it never matched, and DeepSpeed's
+    own load ran: at ZeRO-3 silently wrong again, at ZeRO-1/2 refused. And DeepSpeed saves frozen parameters apart
+    (ZeRO-2/3: ``frozen_param_fragments``) and looks each up by name: a frozen MLP in the other layout was a
+    KeyError. Both now load; the weights, masters and moments are the saved ones, the next step the saving
+    engine's."""
+    output = _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen)
+    if stage >= 2 and any("mlp" in part for part in frozen):
+        assert "frozen MLP projections saved in the other layout" in output, output[-6000:]
+
+
+@pytest.mark.parametrize("stage, first, second, dtype, frozen", [
+    (3, "enabled", "absent", "fp32", []),
+    (2, "absent", "enabled", "bf16", ["embed_tokens"]),
+])
+def test_checkpoint_across_the_fused_mlp_with_optimizer_offload(tmp_path, autoload_installed, stage, first, second,
+                                                                dtype, frozen):
+    """The same with the optimizer offloaded to the CPU (its fp32 masters and moments live on the host)."""
+    _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen,
+                                 offload={"offload_optimizer": {"device": "cpu"}})
+
+
+def _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen=(), offload=None) -> str:
+    """MLP_LAYOUT_SCRIPT on 2 ranks; checks what it saved; its output."""
+    import torch
+
+    blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    config = {**DS_BASE, "zero_optimization": {**zero, **(offload or {})}, "gradient_clipping": 1.0,
+              "bf16": {"enabled": dtype == "bf16"}}
+    if offload:  # the script's torch AdamW, which DeepSpeed would replace by its CPU Adam
+        config["zero_force_ds_cpu_optimizer"] = False
+    output = _run_script(tmp_path, MODEL_SNIPPET + MLP_LAYOUT_SCRIPT, config, str(tmp_path / "ckpt"),
+                         json.dumps(blocks[first]), json.dumps(blocks[second]), json.dumps(list(frozen)), ranks=2)
     result = torch.load(tmp_path / "ckpt" / "result.pt")
     assert result["fused"] == [first == "enabled", second == "enabled"] and result["steps"] == [3, 3]
     assert result["saved"].keys() == result["loaded"].keys()
@@ -817,6 +866,7 @@ def test_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, stage, fi
     atol = 1e-6 if dtype == "fp32" else 1e-3  # the fused kernels' sums in another order; bf16: one ulp of a weight
     for name, value in result["first_after"].items():
         torch.testing.assert_close(result["second_after"][name], value, rtol=0, atol=atol, msg=name)
+    return output
 
 
 # ZeRO-3, one step of a dense Llama under argv[1]'s config, then the model saved as the HF Trainer's save_model and
