@@ -137,11 +137,19 @@ def _resolve_config(call: dict) -> Any:
     return load_ds_config(config)
 
 
+def _refuse_expert_parallelism_under_zero3(config):
+    # DeepSpeed's own assertion names its native MoE and AutoEP, not the setting to change
+    raise ValueError(f"[LoongForge] moe.ep_size={config.moe.ep_size} shards the experts over DeepSpeed's "
+                     "expert-parallel groups, which DeepSpeed does not support under ZeRO stage 3; set "
+                     "\"loongforge\": {\"moe\": {\"ep_size\": 1}} (every rank holds the experts, ZeRO-3 "
+                     "partitions them) or use ZeRO stage 1 or 2")
+
+
 def _initialize_enabled(original, call: dict, ds_config: dict, config):
     import torch
 
     from ds_loongforge.config import apply_op_settings, throughput_timer_setting
-    from ds_loongforge.integrations.inject import inject
+    from ds_loongforge.integrations.inject import inject, moe_blocks
     from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
     from ds_loongforge.optim import initialize as optim_initialize
     from ds_loongforge.optim.ds_integration import check_zero_setup, split_client_optimizer, zero_section
@@ -157,6 +165,9 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     fused_adamw_clip = uses_fused_adamw_clip(ds_config)
     if fused_adamw_clip:
         check_zero_setup(ds_config)  # before inject: nothing changed when the setup cannot run
+    stage = int(zero_section(ds_config).get("stage", 0))
+    if stage == 3 and config.moe.ep_size > 1 and config.moe.expert_masked and moe_blocks(model):
+        _refuse_expert_parallelism_under_zero3(config)  # before inject: the model is left as it was given
     apply_op_settings(config)
     if config.moe.ep_size > 1:
         _init_distributed(call, config.moe.ep_size)
@@ -164,13 +175,8 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
 
     params_before = dict(model.named_parameters())
     inject(model, config)
-    stage = int(zero_section(ds_config).get("stage", 0))
     if stage == 3 and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
-        # DeepSpeed's own assertion a moment later names its native MoE and AutoEP, not the setting to change
-        raise ValueError(f"[LoongForge] moe.ep_size={config.moe.ep_size} shards the experts over DeepSpeed's "
-                         "expert-parallel groups, which DeepSpeed does not support under ZeRO stage 3; set "
-                         "\"loongforge\": {\"moe\": {\"ep_size\": 1}} (every rank holds the experts, ZeRO-3 "
-                         "partitions them) or use ZeRO stage 1 or 2")
+        _refuse_expert_parallelism_under_zero3(config)  # a model the script injected itself
     remap = _parameter_remap(params_before, dict(model.named_parameters()))
     if call.get("model_parameters") is not None:
         call["model_parameters"] = _remap_model_parameters(call["model_parameters"], remap)

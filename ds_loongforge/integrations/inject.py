@@ -144,6 +144,14 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         return _inject(model, config)
 
 
+def moe_blocks(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s MoE blocks that a preset covers (what inject replaces when ``moe.expert_masked``)."""
+    from ds_loongforge.integrations.presets import PRESETS
+
+    types = {classes[p.moe.block] for p in PRESETS if p.moe and (classes := p.resolve()) is not None}
+    return [path for path, module in model.named_modules() if type(module) in types]
+
+
 def _inject(model: nn.Module, config) -> InjectionReport:
     from ds_loongforge.integrations.presets import PRESETS
 

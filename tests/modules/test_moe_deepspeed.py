@@ -588,21 +588,30 @@ def _zero3_worker(rank, world, port, out_dir):
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "loongforge": {"enabled": True, "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": False}}}
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
         ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
         message = None
     except Exception as error:  # noqa: BLE001 (the test checks which)
         message = f"{type(error).__name__}: {error}"
-    torch.save({"message": message}, f"{out_dir}/zero3_{rank}.pt")
+    after = dict(model.named_parameters())
+    torch.save({"message": message, "types": sorted({type(m).__name__ for m in model.modules()}),
+                "unchanged": before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)},
+               f"{out_dir}/zero3_{rank}.pt")
 
 
 @pytest.mark.slow
 def test_expert_parallelism_under_zero_3_names_the_setting(tmp_path):
     """moe.ep_size 2 with ZeRO-3: DeepSpeed's own assertion ("Native DeepSpeed MoE is not supported with ZeRO Stage 3.
     Use AutoEP ...") named neither the block nor the setting to change; now an error naming moe.ep_size 1 or ZeRO
-    stage 1/2, before DeepSpeed builds anything."""
+    stage 1/2, before DeepSpeed builds anything; and before inject, which replaced the model's MoE blocks in place
+    first, so a script that caught the error held a model of half-initialised expert-parallel layers."""
     _spawn(_zero3_worker, 2, str(tmp_path))
     for rank in range(2):
-        message = torch.load(tmp_path / f"zero3_{rank}.pt")["message"]
+        result = torch.load(tmp_path / f"zero3_{rank}.pt")
+        message = result["message"]
         assert message is not None and message.startswith("ValueError: [LoongForge] moe.ep_size=2"), message
         assert '"ep_size": 1' in message and "ZeRO stage 1 or 2" in message, message
+        assert "MixtralSparseMoeBlock" in result["types"] and not any("LoongForge" in t or "ExpertMasked" in t
+                                                                      for t in result["types"]), result["types"]
+        assert result["unchanged"]
