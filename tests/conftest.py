@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """Fresh random data per test, reproducible from the printed seed when a test fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh random data per test, reproducible from the printed seed when a test fails: LF_TEST_SEED=<seed> runs
+    with that seed."""
+    seed = int(os.environ.get("LF_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(seed)
     print(f"torch.manual_seed({seed})  # {request.node.nodeid}")
     yield

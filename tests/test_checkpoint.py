@@ -301,14 +301,18 @@ def test_optimizer_state_loads_at_another_ep_size_layout_and_world_size(tmp_path
         moved = saved_case[0]["continued"]["moe.experts.down_proj"]
         assert not torch.equal(moved, _global(saved_case, "moe.experts.down_proj", "fp32")[:E // SAVED_EP])
 
-    for rank in range(SAVED_WORLD):  # the first step after loading a step-0 checkpoint at ep_size 4
+    # the first step after loading a step-0 checkpoint at ep_size 4. Adam's first update is lr * g / (|g| + eps): a
+    # gradient element near eps (terms that cancel) turns the other reduction order's rounding of it into up to
+    # ~lr * dg / eps (1.2e-6 seen, seed 3947023985, at 1e-6 before); masters of other parameters would differ by
+    # ~0.1-1, and moments or a step count not started afresh by ~lr (0.01)
+    for rank in range(SAVED_WORLD):
         experts = slice(rank * (E // 4), (rank + 1) * (E // 4))
         for name, value in saved[rank]["step0"]["loaded_next"].items():
             if ".experts." in name:
                 want = torch.cat([saved[r]["step0"]["saved_next"][name] for r in range(SAVED_EP)])[experts]
             else:
                 want = saved[0]["step0"]["saved_next"][name]
-            torch.testing.assert_close(value, want, rtol=0, atol=1e-6, msg=f"step-0 checkpoint, rank {rank}, {name}")
+            torch.testing.assert_close(value, want, rtol=0, atol=1e-4, msg=f"step-0 checkpoint, rank {rank}, {name}")
 
     for rank in range(SAVED_WORLD):
         message = saved[rank]["forced_error"]
