@@ -69,6 +69,15 @@ logger = logging.getLogger("ds_loongforge")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+def _note(message: str, *args) -> None:
+    """An INFO line on what a load did across the MLP layout, shown also to a run with the block off or absent
+    (whose ``ds_loongforge`` logger has no handler otherwise): the checkpoint was converted."""
+    from ds_loongforge.integrations.deepspeed_hook import _ensure_log_handler
+
+    _ensure_log_handler()
+    logger.info(message, *args)
+
+
 class CheckpointLayoutError(RuntimeError):
     """A checkpoint's optimizer state cannot be loaded into this engine as asked; the message says why and what
     to do."""
@@ -513,10 +522,10 @@ def _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_
     moments = load_optimizer_states and not load_module_only
     load_zero3_state(engine, saved, moments)
     fused = any(split_mlp_part(name, saved.shapes) for name in _optimized_names(engine))
-    logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: ZeRO-3 fp32 "
-                "masters%s rebuilt per parameter", folder, *(("one gate_up_proj", "two") if fused
-                                                          else ("two", "one gate_up_proj")),
-                " and Adam moments" if moments else "")
+    _note("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: ZeRO-3 fp32 "
+          "masters%s rebuilt per parameter", folder,
+          *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")),
+          " and Adam moments" if moments else "")
     return result
 
 
@@ -1001,8 +1010,8 @@ def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
             flat = torch.cat([flat, flat.new_zeros(per_rank * dist.get_world_size(group=group) - flat.numel())])
             whole = flat.narrow(0, rank * per_rank, per_rank)
         out[name] = whole
-    logger.info("[LoongForge] %s: frozen MLP projections saved in the other layout (%s) loaded by this engine's "
-                "names", folder, ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else ""))
+    _note("[LoongForge] %s: frozen MLP projections saved in the other layout (%s) loaded by this engine's "
+          "names", folder, ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else ""))
     return out
 
 
@@ -1034,14 +1043,124 @@ def _frozen_by_engine_names(engine, folder: str):
             engine.load_module_state_dict = own
 
 
+def _universal_other_mlp_layout(engine, folder: str) -> dict:
+    """The parameters of ``engine``'s optimizer that a universal checkpoint (``ds_to_universal``: one folder of
+    fp32 / moment / step files per parameter under ``zero/``) holds in the other MLP layout: name -> the folders to
+    join (gate_proj's and up_proj's, for a gate_up_proj) or (gate_up_proj's folder, the half) to cut. A folder with
+    fp32.pt alone does not count: ds_to_universal writes one for every module state key the optimizer did not
+    hold, and FusedSwiGLUMLP's state dict has transformers' keys. Empty when every parameter has its own state."""
+    zero = os.path.join(folder, "zero")
+
+    def with_state(name):
+        return os.path.isdir(os.path.join(zero, name)) and bool(set(os.listdir(os.path.join(zero, name))) -
+                                                                {"fp32.pt"})
+
+    names = _optimized_names(engine)
+    if not _has_mlp_projections(names) or not os.path.isdir(zero):
+        return {}
+    other = {}
+    for name in names:
+        if with_state(name):
+            continue
+        parts, half = _mlp_parts(name), _mlp_half(name)
+        if parts is not None and all(with_state(part) for part in parts):
+            other[name] = parts
+        elif half is not None and with_state(half[0]):
+            other[name] = half
+        else:
+            return {}  # not a layout change: DeepSpeed's own load says what is missing
+    return other
+
+
+def _universal_state(zero: str, source, key: str):
+    """One ``key`` file's content of a parameter held in the other layout (``{"param": tensor, ...}`` from
+    ZeRO-1/2, the tensor itself from ZeRO-3, or the step): the two halves' tensors joined, or the whole one's cut."""
+    def tensor_of(value, make):
+        return {**value, "param": make(value["param"])} if isinstance(value, dict) else make(value)
+
+    if isinstance(source, list):
+        parts = [torch.load(os.path.join(zero, part, f"{key}.pt"), weights_only=False) for part in source]
+        if key == "step":
+            return parts[0]
+        return tensor_of(parts[0], lambda _: torch.cat([p["param"] if isinstance(p, dict) else p for p in parts]))
+    whole, half = source
+    value = torch.load(os.path.join(zero, whole, f"{key}.pt"), weights_only=False)
+    return value if key == "step" else tensor_of(value, lambda t: t.chunk(2)[half].clone())
+
+
+@contextlib.contextmanager
+def _universal_across_mlp_layout(engine, folder: str):
+    """DeepSpeed's universal-checkpoint load, during this ``load_checkpoint``, with the parameters the checkpoint
+    holds in the other MLP layout (``_universal_other_mlp_layout``) read from their other-layout folders: DeepSpeed
+    reads each parameter's folder by its name (a FileNotFoundError for a gate_up_proj converted from a stock run;
+    "Steps [...] are not equal" the other way, from the fp32-only folders). Each such parameter's files are written,
+    joined or cut, into a temporary folder of their own for the one call of DeepSpeed's per-parameter loader that
+    reads them (ZeRO-1/2 and BF16_Optimizer: the parameter's ``load_hp_checkpoint_state``; ZeRO-3: the optimizer's,
+    one key a call), so the rest of its loader (fragments, TP slices, padding) is DeepSpeed's own."""
+    import tempfile
+
+    other = _universal_other_mlp_layout(engine, folder)
+    if not other:
+        yield
+        return
+    zero = os.path.join(folder, "zero")
+
+    def redirected(load, all_keys: bool):
+        def load_from(param_folder, *args, **kwargs):
+            source = other.get(os.path.basename(param_folder))
+            if source is None:
+                return load(param_folder, *args, **kwargs)
+            probe = os.path.join(zero, source[0])  # gate_proj's folder, or gate_up_proj's
+            keys = ([f[:-3] for f in os.listdir(probe) if f.endswith(".pt")] if all_keys
+                    else [kwargs.get("key", args[0] if args else None)])
+            with tempfile.TemporaryDirectory(prefix="loongforge_universal_") as tmp:
+                for key in keys:
+                    torch.save(_universal_state(zero, source, key), os.path.join(tmp, f"{key}.pt"))
+                return load(tmp, *args, **kwargs)
+        return load_from
+
+    optimizer, restore = engine.optimizer, []
+    lp_groups = _lp_groups(optimizer)
+    if lp_groups is not None:  # ZeRO-1/2, BF16_Optimizer: each parameter's own loader
+        names = optimizer.param_names
+        for params in lp_groups:
+            for param in params:
+                if names.get(param) in other and hasattr(param, "load_hp_checkpoint_state"):
+                    restore.append((param, param.load_hp_checkpoint_state))
+                    param.load_hp_checkpoint_state = redirected(param.load_hp_checkpoint_state, True)
+    elif hasattr(optimizer, "load_hp_checkpoint_state"):  # ZeRO-3: the optimizer's, (folder, key, param=)
+        restore.append((optimizer, vars(optimizer).get("load_hp_checkpoint_state")))
+        optimizer.load_hp_checkpoint_state = redirected(optimizer.load_hp_checkpoint_state, False)
+    fused = any(isinstance(source, list) for source in other.values())
+    _note("[LoongForge] %s: a universal checkpoint with the MLPs' gate and up projections as %s, loaded as "
+          "%s: their states joined or cut per parameter", folder,
+          *(("two", "one gate_up_proj") if fused else ("one gate_up_proj", "two")))
+    try:
+        yield
+    finally:
+        for owner, load in restore:
+            if load is None:
+                del owner.load_hp_checkpoint_state
+            else:
+                owner.load_hp_checkpoint_state = load
+
+
 def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                     load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     """``DeepSpeedEngine.load_checkpoint`` for an engine with stacked experts (module docstring)."""
     from ds_loongforge.export import tag_folder
 
+    args = (original, engine, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only, custom_load_fn)
+    if engine.load_universal_checkpoint():
+        latest = os.path.join(load_dir, "latest_universal")  # the tag DeepSpeed's universal load reads
+        if tag is None and os.path.isfile(latest):
+            with open(latest) as f:
+                tag = f.read().strip()
+        with _universal_across_mlp_layout(engine, tag_folder(load_dir, tag)):
+            return _load_checkpoint(*args)
     with _frozen_by_engine_names(engine, tag_folder(load_dir, tag)):
-        return _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_optimizer_states,
-                                load_lr_scheduler_states, load_module_only, custom_load_fn)
+        return _load_checkpoint(*args)
 
 
 def _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_optimizer_states,
@@ -1080,8 +1199,8 @@ def _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_o
             result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
             if result[0] is not None:
                 engine.optimizer.load_state_dict(converted)
-                logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections in the other layout "
-                            "(no ZeRO): the optimizer state mapped per parameter", folder)
+                _note("[LoongForge] %s: saved with the MLPs' gate and up projections in the other layout "
+                      "(no ZeRO): the optimizer state mapped per parameter", folder)
             return result
     if not (mlp_renamed or (saved_here and sharded and wants_optimizer)):
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,
@@ -1096,9 +1215,9 @@ def _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_o
             load_saved_optimizer_state(engine, saved)
             if mlp_renamed:
                 fused = any(split_mlp_part(name, saved.shapes) for name in _optimized_names(engine))
-                logger.info("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: "
-                            "fp32 masters and Adam moments rebuilt from the saved partitions", folder,
-                            *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")))
+                _note("[LoongForge] %s: saved with the MLPs' gate and up projections as %s, loaded as %s: "
+                      "fp32 masters and Adam moments rebuilt from the saved partitions", folder,
+                      *(("one gate_up_proj", "two") if fused else ("two", "one gate_up_proj")))
             else:
                 expert_groups = sorted({ep for ep, _, _ in saved.expert_layout.values()})
                 logger.info("[LoongForge] %s: saved by %d ranks (expert groups at ep_size %s%s), loaded at %d ranks: "

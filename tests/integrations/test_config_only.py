@@ -869,6 +869,75 @@ def _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen=(
     return output
 
 
+# a dense Llama trained 2 steps under argv[1]'s config with argv[3]'s block (JSON; null: none), saved and stepped
+# once more; or, with argv[4] == "load", the same model under argv[3]'s block with DeepSpeed's universal checkpoint
+# loading on, the universal checkpoint converted from that save loaded and stepped once on the same batch
+UNIVERSAL_SCRIPT = LLAMA_ENGINE_SNIPPET + """
+config = json.load(open(sys.argv[1]))
+block = json.loads(sys.argv[3])
+loading = sys.argv[4] == "load"
+if loading:
+    config["checkpoint"] = {"load_universal": True}
+engine = engine_for(config if block is None else {**config, "loongforge": block})
+if loading:
+    engine.load_checkpoint(out)
+else:
+    for ids in batches[:2]:
+        step(engine, ids)
+    engine.save_checkpoint(out, tag="ckpt")
+before = states(engine)
+step(engine, batches[2])
+after = states(engine)  # collective
+if torch.distributed.get_rank() == 0:
+    torch.save({"before": before, "after": after, "steps": engine.global_steps,
+                "fused": any("gate_up_proj" in n for n, _ in engine.module.named_parameters())},
+               os.path.join(out, sys.argv[4] + ".pt"))
+leave()
+"""
+
+
+@pytest.mark.parametrize("stage, first, second, dtype, load_ranks", [
+    (2, "enabled", "absent", "fp32", 1),
+    (2, "absent", "enabled", "bf16", 2),
+    (3, "enabled", "disabled", "fp32", 2),
+    (3, "absent", "enabled", "fp32", 1),
+    (2, "enabled", "enabled", "fp32", 1),  # the same layout: DeepSpeed's own load, untouched
+])
+def test_universal_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, stage, first, second, dtype,
+                                                   load_ranks):
+    """DeepSpeed's universal checkpoints (ds_to_universal: one folder of fp32 master, moments and step per
+    parameter, loadable at another world size) name the folders by parameter: a stock run's, loaded with the
+    block on, was a FileNotFoundError for each gate_up_proj; a LoongForge run's, loaded with it off or removed,
+    "Steps [...] are not equal" (ds_to_universal also writes fp32-only folders for the module's state-dict keys,
+    which are transformers' gate_proj / up_proj). The states are now joined or cut per parameter, also at another
+    world size; the loaded masters and moments are the saved ones and the next step is the saving engine's."""
+    import torch
+
+    blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    config = {**DS_BASE, "zero_optimization": zero, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}}
+    out = tmp_path / "ckpt"
+    _run_script(tmp_path, MODEL_SNIPPET + UNIVERSAL_SCRIPT, config, str(out), json.dumps(blocks[first]), "save",
+                ranks=2)
+    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                              str(out / "ckpt"), "--output_folder", str(out / "universal"), "--inject_missing_state"],
+                             env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert convert.returncode == 0, convert.stdout[-3000:] + convert.stderr[-3000:]
+    output = _run_script(tmp_path, MODEL_SNIPPET + UNIVERSAL_SCRIPT, config, str(out), json.dumps(blocks[second]),
+                         "load", ranks=load_ranks)
+    assert ("a universal checkpoint with the MLPs' gate and up projections" in output) == (first != second), \
+        output[-6000:]
+    saved, loaded = torch.load(out / "save.pt"), torch.load(out / "load.pt")
+    assert [saved["fused"], loaded["fused"]] == [first == "enabled", second == "enabled"]
+    assert saved["steps"] == loaded["steps"] == 3
+    assert saved["before"].keys() == loaded["before"].keys()
+    for name, value in saved["before"].items():
+        assert torch.equal(loaded["before"][name], value), name
+    atol = 1e-6 if dtype == "fp32" else 1e-3  # as test_checkpoint_across_the_fused_mlp
+    for name, value in saved["after"].items():
+        torch.testing.assert_close(loaded["after"][name], value, rtol=0, atol=atol, msg=name)
+
+
 # ZeRO-3, one step of a dense Llama under argv[1]'s config, then the model saved as the HF Trainer's save_model and
 # accelerate's get_state_dict save it (the engine's consolidated 16-bit state dict, save_16bit_model) and loaded
 # strictly into a stock LlamaForCausalLM
