@@ -878,7 +878,7 @@ block = json.loads(sys.argv[3])
 loading = sys.argv[4] == "load"
 if loading:
     config["checkpoint"] = {"load_universal": True}
-engine = engine_for(config if block is None else {**config, "loongforge": block})
+engine = engine_for(config if block is None else {**config, "loongforge": block}, json.loads(sys.argv[5]))
 if loading:
     engine.load_checkpoint(out)
 else:
@@ -896,21 +896,24 @@ leave()
 """
 
 
-@pytest.mark.parametrize("stage, first, second, dtype, load_ranks", [
-    (2, "enabled", "absent", "fp32", 1),
-    (2, "absent", "enabled", "bf16", 2),
-    (3, "enabled", "disabled", "fp32", 2),
-    (3, "absent", "enabled", "fp32", 1),
-    (2, "enabled", "enabled", "fp32", 1),  # the same layout: DeepSpeed's own load, untouched
+@pytest.mark.parametrize("stage, first, second, dtype, load_ranks, frozen", [
+    (2, "enabled", "absent", "fp32", 1, []),
+    (2, "absent", "enabled", "bf16", 2, []),
+    (3, "enabled", "disabled", "fp32", 2, []),
+    (3, "absent", "enabled", "fp32", 1, []),
+    (2, "enabled", "enabled", "fp32", 1, []),  # the same layout: DeepSpeed's own load, untouched
+    (2, "enabled", "absent", "fp32", 2, ["embed_tokens", "layers.0.mlp"]),
+    (3, "absent", "enabled", "fp32", 2, ["embed_tokens", "layers.0.mlp"]),
 ])
 def test_universal_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed, stage, first, second, dtype,
-                                                   load_ranks):
+                                                   load_ranks, frozen):
     """DeepSpeed's universal checkpoints (ds_to_universal: one folder of fp32 master, moments and step per
     parameter, loadable at another world size) name the folders by parameter: a stock run's, loaded with the
     block on, was a FileNotFoundError for each gate_up_proj; a LoongForge run's, loaded with it off or removed,
     "Steps [...] are not equal" (ds_to_universal also writes fp32-only folders for the module's state-dict keys,
     which are transformers' gate_proj / up_proj). The states are now joined or cut per parameter, also at another
-    world size; the loaded masters and moments are the saved ones and the next step is the saving engine's."""
+    world size and with frozen parameters (a frozen MLP among them); the loaded masters, moments and frozen weights
+    are the saved ones and the next step is the saving engine's."""
     import torch
 
     blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
@@ -918,13 +921,13 @@ def test_universal_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed,
     config = {**DS_BASE, "zero_optimization": zero, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}}
     out = tmp_path / "ckpt"
     _run_script(tmp_path, MODEL_SNIPPET + UNIVERSAL_SCRIPT, config, str(out), json.dumps(blocks[first]), "save",
-                ranks=2)
+                json.dumps(frozen), ranks=2)
     convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                               str(out / "ckpt"), "--output_folder", str(out / "universal"), "--inject_missing_state"],
                              env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert convert.returncode == 0, convert.stdout[-3000:] + convert.stderr[-3000:]
     output = _run_script(tmp_path, MODEL_SNIPPET + UNIVERSAL_SCRIPT, config, str(out), json.dumps(blocks[second]),
-                         "load", ranks=load_ranks)
+                         "load", json.dumps(frozen), ranks=load_ranks)
     assert ("a universal checkpoint with the MLPs' gate and up projections" in output) == (first != second), \
         output[-6000:]
     saved, loaded = torch.load(out / "save.pt"), torch.load(out / "load.pt")
