@@ -496,11 +496,21 @@ def _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_
     parameters) without its optimizer state, and with the module's weights left to ``load_zero3_state``, which
     rebuilds the masters (and moments) per parameter. DeepSpeed's own rebuild of the module's fp32 state dict for
     that load (``get_fp32_state_dict_from_zero_checkpoint``, which reads the 'latest' tag whatever tag is loaded) is
-    skipped: the buffers come from the loaded tag's model file."""
+    skipped: the buffers come from the loaded tag's model file. At more ranks than saved, a rank without a model
+    file of its own reads rank 0's (what DeepSpeed keeps from it is the same on every rank; the frozen parameters'
+    partitions are cut again, ``_frozen_in_engine_layout``)."""
+    import glob
+
     import deepspeed.runtime.engine as ds_engine
 
     saved = SavedZero3(folder)
     user_fn = kwargs["custom_load_fn"]
+
+    def model_files(checkpoints_path, tag):  # DeepSpeedEngine._get_all_ckpt_names, rank 0's where this rank has none
+        return (own_files(checkpoints_path, tag) or sorted(glob.glob(engine._get_ckpt_name(
+            checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0"))))
+
+    own_files = engine._get_all_ckpt_names
 
     def load_buffers(src, dst):  # DeepSpeed's custom_load_fn(src=the module state, dst=the module)
         if user_fn is not None:
@@ -512,11 +522,13 @@ def _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_
 
     rebuild = ds_engine.get_fp32_state_dict_from_zero_checkpoint
     ds_engine.get_fp32_state_dict_from_zero_checkpoint = lambda *args, **kw: dict(saved.buffers)
+    engine._get_all_ckpt_names = model_files
     try:
         result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=load_module_only,
                           **{**kwargs, "custom_load_fn": load_buffers})
     finally:
         ds_engine.get_fp32_state_dict_from_zero_checkpoint = rebuild
+        del engine._get_all_ckpt_names
     if result[0] is None:
         return result
     moments = load_optimizer_states and not load_module_only
@@ -974,10 +986,13 @@ def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
 
     frozen = {name: p for name, p in engine.module.named_parameters() if not is_optimized_parameter(p)}
     missing = [name for name in frozen if name not in fragments]
-    if not missing or not all(fused_mlp_parts(name, fragments) or split_mlp_part(name, fragments)
-                              for name in missing):
-        return fragments
     partitioned = any(hasattr(p, "ds_id") for p in frozen.values())
+    # ZeRO-3 at another world size (a load across the MLP layout, DeepSpeed's own refuses): other partitions
+    resized = partitioned and any(fragments[name].numel() != p.partition_numel()
+                                  for name, p in frozen.items() if name in fragments)
+    if not (missing or resized) or not all(fused_mlp_parts(name, fragments) or split_mlp_part(name, fragments)
+                                           for name in missing):
+        return fragments
     if partitioned:  # ZeRO-3: each saved parameter whole, from every saved rank's partition
         import deepspeed.comm as dist
 
@@ -1010,8 +1025,9 @@ def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
             flat = torch.cat([flat, flat.new_zeros(per_rank * dist.get_world_size(group=group) - flat.numel())])
             whole = flat.narrow(0, rank * per_rank, per_rank)
         out[name] = whole
-    _note("[LoongForge] %s: frozen MLP projections saved in the other layout (%s) loaded by this engine's "
-          "names", folder, ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else ""))
+    if missing:
+        _note("[LoongForge] %s: frozen MLP projections saved in the other layout (%s) loaded by this engine's "
+              "names", folder, ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else ""))
     return out
 
 

@@ -869,14 +869,15 @@ def _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen=(
     return output
 
 
-# a dense Llama trained 2 steps under argv[1]'s config with argv[3]'s block (JSON; null: none), saved and stepped
-# once more; or, with argv[4] == "load", the same model under argv[3]'s block with DeepSpeed's universal checkpoint
-# loading on, the universal checkpoint converted from that save loaded and stepped once on the same batch
-UNIVERSAL_SCRIPT = LLAMA_ENGINE_SNIPPET + """
+# a dense Llama (argv[5]: the parameters frozen, engine_for) trained 2 steps under argv[1]'s config with argv[3]'s
+# block (JSON; null: none), saved and stepped once more (argv[4] "save"); or the same model under argv[3]'s block,
+# that checkpoint loaded ("load"; the latest tag) or the universal checkpoint converted from it with DeepSpeed's
+# universal loading on ("load_universal"), and stepped once on the same batch
+RESUME_SCRIPT = LLAMA_ENGINE_SNIPPET + """
 config = json.load(open(sys.argv[1]))
 block = json.loads(sys.argv[3])
-loading = sys.argv[4] == "load"
-if loading:
+loading = sys.argv[4] != "save"
+if sys.argv[4] == "load_universal":
     config["checkpoint"] = {"load_universal": True}
 engine = engine_for(config if block is None else {**config, "loongforge": block}, json.loads(sys.argv[5]))
 if loading:
@@ -891,7 +892,7 @@ after = states(engine)  # collective
 if torch.distributed.get_rank() == 0:
     torch.save({"before": before, "after": after, "steps": engine.global_steps,
                 "fused": any("gate_up_proj" in n for n, _ in engine.module.named_parameters())},
-               os.path.join(out, sys.argv[4] + ".pt"))
+               os.path.join(out, ("load" if loading else "save") + ".pt"))
 leave()
 """
 
@@ -914,22 +915,46 @@ def test_universal_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed,
     which are transformers' gate_proj / up_proj). The states are now joined or cut per parameter, also at another
     world size and with frozen parameters (a frozen MLP among them); the loaded masters, moments and frozen weights
     are the saved ones and the next step is the saving engine's."""
+    output = _resume_in_another_process(tmp_path, stage, first, second, dtype, load_ranks, frozen, universal=True)
+    assert ("a universal checkpoint with the MLPs' gate and up projections" in output) == (first != second), \
+        output[-6000:]
+
+
+@pytest.mark.parametrize("first, second, load_ranks, frozen", [
+    ("absent", "enabled", 4, []),
+    ("enabled", "absent", 1, ["embed_tokens"]),
+    ("absent", "enabled", 4, ["embed_tokens", "layers.0.mlp"]),
+])
+def test_zero3_checkpoint_across_the_fused_mlp_at_another_world_size(tmp_path, autoload_installed, first, second,
+                                                                     load_ranks, frozen):
+    """ZeRO-3 across the layout at another world size (DeepSpeed's own load refuses a ZeRO-3 world-size change; the
+    per-parameter rebuild does not need one): at more ranks than saved, DeepSpeed stopped on a bare AssertionError
+    (no model file of their own for the new ranks); at fewer, a frozen parameter's saved partition did not fit.
+    New ranks now read rank 0's model file, and frozen partitions are cut again."""
+    output = _resume_in_another_process(tmp_path, 3, first, second, "fp32", load_ranks, frozen)
+    assert "ZeRO-3 fp32 masters and Adam moments rebuilt per parameter" in output, output[-6000:]
+
+
+def _resume_in_another_process(tmp_path, stage, first, second, dtype, load_ranks, frozen, universal=False) -> str:
+    """RESUME_SCRIPT saving on 2 ranks and loading on ``load_ranks`` (a universal checkpoint converted from the save
+    with ``universal``); checks that the loaded states are the saved ones and the next step the saving engine's;
+    the loading run's output."""
     import torch
 
     blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
     config = {**DS_BASE, "zero_optimization": zero, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}}
     out = tmp_path / "ckpt"
-    _run_script(tmp_path, MODEL_SNIPPET + UNIVERSAL_SCRIPT, config, str(out), json.dumps(blocks[first]), "save",
+    _run_script(tmp_path, MODEL_SNIPPET + RESUME_SCRIPT, config, str(out), json.dumps(blocks[first]), "save",
                 json.dumps(frozen), ranks=2)
-    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              str(out / "ckpt"), "--output_folder", str(out / "universal"), "--inject_missing_state"],
-                             env=_env({}), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert convert.returncode == 0, convert.stdout[-3000:] + convert.stderr[-3000:]
-    output = _run_script(tmp_path, MODEL_SNIPPET + UNIVERSAL_SCRIPT, config, str(out), json.dumps(blocks[second]),
-                         "load", json.dumps(frozen), ranks=load_ranks)
-    assert ("a universal checkpoint with the MLPs' gate and up projections" in output) == (first != second), \
-        output[-6000:]
+    if universal:
+        convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                  str(out / "ckpt"), "--output_folder", str(out / "universal"),
+                                  "--inject_missing_state"], env=_env({}), capture_output=True, text=True,
+                                 timeout=TIMEOUT_S)
+        assert convert.returncode == 0, convert.stdout[-3000:] + convert.stderr[-3000:]
+    output = _run_script(tmp_path, MODEL_SNIPPET + RESUME_SCRIPT, config, str(out), json.dumps(blocks[second]),
+                         "load_universal" if universal else "load", json.dumps(frozen), ranks=load_ranks)
     saved, loaded = torch.load(out / "save.pt"), torch.load(out / "load.pt")
     assert [saved["fused"], loaded["fused"]] == [first == "enabled", second == "enabled"]
     assert saved["steps"] == loaded["steps"] == 3
@@ -939,6 +964,7 @@ def test_universal_checkpoint_across_the_fused_mlp(tmp_path, autoload_installed,
     atol = 1e-6 if dtype == "fp32" else 1e-3  # as test_checkpoint_across_the_fused_mlp
     for name, value in saved["after"].items():
         torch.testing.assert_close(loaded["after"][name], value, rtol=0, atol=atol, msg=name)
+    return output
 
 
 # ZeRO-3, one step of a dense Llama under argv[1]'s config, then the model saved as the HF Trainer's save_model and
