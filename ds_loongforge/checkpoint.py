@@ -49,9 +49,13 @@ The MLP layout: LoongForge's FusedSwiGLUMLP trains one ``gate_up_proj`` where tr
 checkpoint of one layout loaded into an engine of the other (the block turned on for a stock run, or off, or
 removed, for a LoongForge one: ``integrations.deepspeed_hook`` installs this for every engine) has its optimizer
 state rebuilt per parameter, the rows joined or cut in halves: ZeRO-1/2 as above (DeepSpeed refused it), ZeRO-3 from
-each parameter's partitions (``SavedZero3``; DeepSpeed loaded it silently wrong on several ranks), and without ZeRO
-a torch optimizer's state by place (``_unpartitioned_state_across_mlp_layout``; torch refused it). ZeRO-3's
-consolidated 16-bit state dict (the HF Trainer's ``save_model``) gets transformers' keys (``stock_mlp_keys``).
+each parameter's partitions (``SavedZero3``; DeepSpeed loaded it silently wrong on several ranks; also at another
+world size, which DeepSpeed's ZeRO-3 load refuses), and without ZeRO a torch optimizer's state by place
+(``_unpartitioned_state_across_mlp_layout``; torch refused it). Which parameters are compared is the optimizer's
+(frozen ones are saved apart); frozen parameters saved in the other layout are joined or cut under this engine's
+names (``_frozen_in_engine_layout``; DeepSpeed looked them up by name), and so are the per-parameter folders of a
+universal checkpoint (``_universal_across_mlp_layout``). ZeRO-3's consolidated 16-bit state dict (the HF Trainer's
+``save_model``) gets transformers' keys (``stock_mlp_keys``).
 """
 
 from __future__ import annotations
@@ -981,7 +985,9 @@ def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
     frozen parameter up by its name, so a frozen MLP saved in the other layout (a frozen fused gate_up_proj where
     this engine has gate_proj and up_proj, or the other way) was a KeyError. Those are joined or cut from the saved
     ones; at ZeRO-3, from every saved rank's partition, and every frozen parameter is then cut to this rank's
-    partition at this world size. Unchanged when every name is there or a missing one is no MLP's other half."""
+    partition at this world size (also when only the world size changed: a ZeRO-3 load across the MLP layout at
+    another world size). Unchanged when every name is there with this rank's partition size, or a missing one is no
+    MLP's other half (DeepSpeed's own error follows)."""
     from deepspeed.runtime.utils import is_optimized_parameter
 
     frozen = {name: p for name, p in engine.module.named_parameters() if not is_optimized_parameter(p)}
