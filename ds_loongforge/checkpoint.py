@@ -278,9 +278,7 @@ def _optimized_names(engine) -> list[str]:
     them: frozen parameters are not among them (DeepSpeed saves those apart, ``_frozen_in_engine_layout``)."""
     optimizer = engine.optimizer
     names = getattr(optimizer, "param_names", None) or {}
-    groups = _lp_groups(optimizer) or getattr(optimizer, "fp16_groups", None)
-    if not groups:
-        return list(names.values())
+    groups = _lp_groups(optimizer) or getattr(optimizer, "fp16_groups", None) or []
     return [names[p] for params in groups for p in params if p in names]
 
 
@@ -382,6 +380,23 @@ def load_saved_optimizer_state(engine, saved: SavedOptimizer) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def _zero3_whole(pieces, shape) -> torch.Tensor:
+    """One parameter whole from its ZeRO-3 partitions in rank order (``ceil(numel / world)`` elements a rank, the
+    last rank's padded), as DeepSpeed's ``zero_to_fp32`` joins them."""
+    shape = torch.Size(shape)
+    return torch.cat([piece.reshape(-1) for piece in pieces])[:shape.numel()].view(shape)
+
+
+def _zero3_partition(whole: torch.Tensor, param, group) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of ``param`` cut from its ``whole`` value (padded to ``partition_numel`` x the
+    partition group's size), as DeepSpeed's universal-checkpoint loader for ZeRO-3 cuts its per-parameter files."""
+    import deepspeed.comm as dist
+
+    per_rank, flat = param.partition_numel(), whole.reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros(per_rank * dist.get_world_size(group=group) - flat.numel())])
+    return flat.narrow(0, dist.get_rank(group=group) * per_rank, per_rank)
+
+
 class SavedZero3(_SavedRankFiles):
     """The ZeRO-3 files of one saved step: each trainable parameter's fp32 master and Adam moments, whole, cut out
     of the ranks' partitions as DeepSpeed's ``zero_to_fp32`` cuts the masters. ZeRO-3 partitions every parameter on
@@ -431,7 +446,7 @@ class SavedZero3(_SavedRankFiles):
             optim = self.optim(rank)
             flat = optim["fp32_flat_groups"][g] if key == "fp32" else optim["optimizer_state_dict"]["state"][g][key]
             pieces.append(flat.narrow(0, at, per_rank))
-        return torch.cat(pieces)[:shape.numel()].view(shape).float()
+        return _zero3_whole(pieces, shape).float()
 
 
 @torch.no_grad()
@@ -440,8 +455,6 @@ def load_zero3_state(engine, saved: SavedZero3, moments: bool) -> None:
     saved hyper-parameters) from a saved step of any world size and MLP layout, cut to this rank's partition as
     DeepSpeed's universal-checkpoint loader for ZeRO-3 cuts its per-parameter files; the 16-bit partitions are then
     the masters rounded, and persistent parameters are gathered again, as after DeepSpeed's own load."""
-    import deepspeed.comm as dist
-
     optimizer = engine.optimizer
     if getattr(optimizer, "swap_optimizer", False) or any(flat is None
                                                           for flat in optimizer.fp16_partitioned_groups_flat):
@@ -461,12 +474,9 @@ def load_zero3_state(engine, saved: SavedZero3, moments: bool) -> None:
                 if whole.shape != param.ds_shape:
                     raise CheckpointLayoutError(f"{saved.folder}: {names[param]} was saved as {tuple(whole.shape)}, "
                                                 f"this model's is {tuple(param.ds_shape)}")
-                group = optimizer._get_param_partition_group(param)
-                per_rank, rank = param.partition_numel(), dist.get_rank(group=group)
-                whole = whole.reshape(-1)
-                padded = torch.cat([whole, whole.new_zeros(per_rank * dist.get_world_size(group=group) - whole.numel())])
-                flat.narrow(0, at, per_rank).copy_(padded.narrow(0, rank * per_rank, per_rank))
-                at += per_rank
+                part = _zero3_partition(whole, param, optimizer._get_param_partition_group(param))
+                flat.narrow(0, at, part.numel()).copy_(part)
+                at += part.numel()
             if key == "fp32":
                 master.copy_(flat)
             else:
@@ -999,38 +1009,33 @@ def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
     if not (missing or resized) or not all(fused_mlp_parts(name, fragments) or split_mlp_part(name, fragments)
                                            for name in missing):
         return fragments
-    if partitioned:  # ZeRO-3: each saved parameter whole, from every saved rank's partition
-        import deepspeed.comm as dist
-
+    if partitioned:  # ZeRO-3: a saved parameter whole from every saved rank's partition, when it is needed
         from ds_loongforge.export import ZERO3_MODEL_FILE, _load, zero3_model_file
 
         states = _load(os.path.join(folder, ZERO3_MODEL_FILE))
-        world, shapes = int(states["dp_world_size"]), states["frozen_param_shapes"]
-        ranks = [_load(os.path.join(folder, zero3_model_file(r)))["frozen_param_fragments"] for r in range(world)]
-        saved = {name: torch.cat([rank[name].reshape(-1) for rank in ranks])[:torch.Size(shape).numel()]
-                 .view(shape) for name, shape in shapes.items()}
+        shapes = states["frozen_param_shapes"]
+        ranks = [_load(os.path.join(folder, zero3_model_file(r)))["frozen_param_fragments"]
+                 for r in range(int(states["dp_world_size"]))]  # memory-mapped
+
+        def saved(name):
+            return _zero3_whole([rank[name] for rank in ranks], shapes[name])
     else:
-        saved = fragments
+        shapes, saved = fragments, fragments.__getitem__
     out, partition_group = {}, getattr(engine.optimizer, "_get_param_partition_group", None)
     for name, param in frozen.items():
-        if name in saved:
-            whole = saved[name]
-        elif (parts := fused_mlp_parts(name, saved)) is not None:
-            whole = torch.cat([saved[part] for part in parts])
+        if name in shapes:
+            whole = saved(name)
+        elif (parts := fused_mlp_parts(name, shapes)) is not None:
+            whole = torch.cat([saved(part) for part in parts])
         else:
-            fused, half = split_mlp_part(name, saved)
-            whole = saved[fused].chunk(2)[half]
+            fused, half = split_mlp_part(name, shapes)
+            whole = saved(fused).chunk(2)[half]
         shape = param.ds_shape if partitioned else param.shape
         if whole.shape != shape:
             raise CheckpointLayoutError(f"{folder}: the frozen parameter {name} was saved as {tuple(whole.shape)}, "
                                         f"this model's is {tuple(shape)}")
-        if partitioned:
-            group = partition_group(param) if partition_group is not None else None
-            per_rank, rank = param.partition_numel(), dist.get_rank(group=group)
-            flat = whole.reshape(-1)
-            flat = torch.cat([flat, flat.new_zeros(per_rank * dist.get_world_size(group=group) - flat.numel())])
-            whole = flat.narrow(0, rank * per_rank, per_rank)
-        out[name] = whole
+        out[name] = (_zero3_partition(whole, param, partition_group(param) if partition_group else None).clone()
+                     if partitioned else whole)
     if missing:
         _note("[LoongForge] %s: frozen MLP projections saved in the other layout (%s) loaded by this engine's "
               "names", folder, ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else ""))
@@ -1097,17 +1102,22 @@ def _universal_other_mlp_layout(engine, folder: str) -> dict:
 def _universal_state(zero: str, source, key: str):
     """One ``key`` file's content of a parameter held in the other layout (``{"param": tensor, ...}`` from
     ZeRO-1/2, the tensor itself from ZeRO-3, or the step): the two halves' tensors joined, or the whole one's cut."""
-    def tensor_of(value, make):
-        return {**value, "param": make(value["param"])} if isinstance(value, dict) else make(value)
+    def load(name):
+        return torch.load(os.path.join(zero, name, f"{key}.pt"), weights_only=False)
+
+    def tensor(value):
+        return value["param"] if isinstance(value, dict) else value
 
     if isinstance(source, list):
-        parts = [torch.load(os.path.join(zero, part, f"{key}.pt"), weights_only=False) for part in source]
-        if key == "step":
-            return parts[0]
-        return tensor_of(parts[0], lambda _: torch.cat([p["param"] if isinstance(p, dict) else p for p in parts]))
-    whole, half = source
-    value = torch.load(os.path.join(zero, whole, f"{key}.pt"), weights_only=False)
-    return value if key == "step" else tensor_of(value, lambda t: t.chunk(2)[half].clone())
+        parts = [load(part) for part in source]
+        template = parts[0]
+        joined = None if key == "step" else torch.cat([tensor(part) for part in parts])
+    else:
+        template = load(source[0])
+        joined = None if key == "step" else tensor(template).chunk(2)[source[1]].clone()
+    if key == "step":
+        return template
+    return {**template, "param": joined} if isinstance(template, dict) else joined
 
 
 @contextlib.contextmanager
@@ -1174,12 +1184,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
 
     args = (original, engine, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
             load_module_only, custom_load_fn)
-    if engine.load_universal_checkpoint():
-        latest = os.path.join(load_dir, "latest_universal")  # the tag DeepSpeed's universal load reads
-        if tag is None and os.path.isfile(latest):
-            with open(latest) as f:
-                tag = f.read().strip()
-        with _universal_across_mlp_layout(engine, tag_folder(load_dir, tag)):
+    if engine.load_universal_checkpoint():  # DeepSpeed's universal load reads the tag in 'latest_universal'
+        with _universal_across_mlp_layout(engine, tag_folder(load_dir, tag, latest="latest_universal")):
             return _load_checkpoint(*args)
     with _frozen_by_engine_names(engine, tag_folder(load_dir, tag)):
         return _load_checkpoint(*args)

@@ -63,13 +63,14 @@ class CheckpointExportError(ValueError):
     """The checkpoint cannot be exported as asked; the message names the file or key and the fix."""
 
 
-def tag_folder(checkpoint_dir: str, tag: str | None = None) -> str:
-    """The folder of one saved step: ``checkpoint_dir/tag``, the tag in ``checkpoint_dir/latest`` (as
-    DeepSpeed's load_checkpoint reads it), or ``checkpoint_dir`` itself."""
+def tag_folder(checkpoint_dir: str, tag: str | None = None, latest: str = "latest") -> str:
+    """The folder of one saved step: ``checkpoint_dir/tag``, the tag in ``checkpoint_dir/<latest>`` (as
+    DeepSpeed's load_checkpoint reads it: 'latest', or 'latest_universal' for a universal load), or
+    ``checkpoint_dir`` itself."""
     if tag is not None:
         return os.path.join(checkpoint_dir, str(tag))
-    if os.path.isfile(os.path.join(checkpoint_dir, "latest")):
-        with open(os.path.join(checkpoint_dir, "latest")) as f:
+    if os.path.isfile(os.path.join(checkpoint_dir, latest)):
+        with open(os.path.join(checkpoint_dir, latest)) as f:
             return os.path.join(checkpoint_dir, f.read().strip())
     return checkpoint_dir
 

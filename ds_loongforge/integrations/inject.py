@@ -144,17 +144,25 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
         return _inject(model, config)
 
 
-def moe_blocks(model: nn.Module) -> list[str]:
-    """The paths of ``model``'s MoE blocks that a preset covers (what inject replaces when ``moe.expert_masked``)."""
+def _active_presets() -> list:
+    """(preset, its resolved classes) of every preset whose transformers classes exist here."""
     from ds_loongforge.integrations.presets import PRESETS
 
-    types = {classes[p.moe.block] for p in PRESETS if p.moe and (classes := p.resolve()) is not None}
+    return [(preset, classes) for preset in PRESETS if (classes := preset.resolve()) is not None]
+
+
+def _moe_types(active) -> dict:
+    """MoE block class -> its preset."""
+    return {classes[p.moe.block]: p for p, classes in active if p.moe}
+
+
+def moe_blocks(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s MoE blocks that a preset covers (what inject replaces when ``moe.expert_masked``)."""
+    types = _moe_types(_active_presets())
     return [path for path, module in model.named_modules() if type(module) in types]
 
 
 def _inject(model: nn.Module, config) -> InjectionReport:
-    from ds_loongforge.integrations.presets import PRESETS
-
     config = _as_config(config)
     report = InjectionReport(enabled=config.enabled)
     if not config.enabled:
@@ -164,8 +172,8 @@ def _inject(model: nn.Module, config) -> InjectionReport:
     ours = (FusedRMSNorm, FusedSwiGLUMLP, ExpertMaskedMoE, FusedQKVLinear)
     report.already_injected = sum(isinstance(m, ours) for m in model.modules())
 
-    active = [(preset, classes) for preset in PRESETS if (classes := preset.resolve()) is not None]
-    moe_types = {classes[p.moe.block]: p for p, classes in active if p.moe}
+    active = _active_presets()
+    moe_types = _moe_types(active)
     mlp_types = {classes[name]: p for p, classes in active for name in p.mlp}
     norm_types = {classes[name]: p for p, classes in active for name in p.rmsnorm}
     families: Counter = Counter()
