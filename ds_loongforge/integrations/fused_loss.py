@@ -251,6 +251,8 @@ def _training_cache(model: nn.Module, spec: _ForwardSpec, kwargs: dict):
     caller passed no cache of its own, and gradient checkpointing does not turn the cache off."""
     if spec.cache_arg is None or kwargs.get(spec.cache_arg) is not None:
         return None
+    if torch.compiler.is_compiling():  # re-classing the cache's layers breaks the graph; a compiled graph keeps
+        return None                    # the copies or drops them, and reads no device value
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(getattr(model, "config", None), "use_cache", False)
@@ -332,7 +334,7 @@ def _call_problem(model: nn.Module, kwargs: dict) -> str | None:
 
 def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwargs: dict):
     inner = model.__dict__.get(_INNER)
-    original = inner if inner is not None else types.MethodType(type(model).forward, model)
+    original = inner if inner is not None else functools.partial(type(model).forward, model)  # (traceable)
     if len(args) > len(spec.positional):
         return original(*args, **kwargs)
     kwargs = {**dict(zip(spec.positional, args)), **kwargs}

@@ -317,7 +317,8 @@ def _per_expert_gemms_run_well(device_type: str, impl: str) -> bool:
 
 def per_expert_backward_pays(x_PI: torch.Tensor, w_EOI: torch.Tensor, impl: str = "auto") -> bool:
     """Where the experts' backward takes per-expert GEMMs (see PER_EXPERT_BACKWARD_*): few and large experts, a
-    kernel that issues them cheaply, and no CUDA graph capture (the host counts need a host read).
+    kernel that issues them cheaply, and neither CUDA graph capture nor torch.compile (the host counts need a host
+    read).
     LOONGFORGE_PER_EXPERT_BACKWARD=0 turns it off (torch's grouped GEMMs both ways), for A/B measurements."""
     if os.environ.get("LOONGFORGE_PER_EXPERT_BACKWARD", "1") == "0":
         return False
@@ -325,6 +326,8 @@ def per_expert_backward_pays(x_PI: torch.Tensor, w_EOI: torch.Tensor, impl: str 
     if experts > PER_EXPERT_BACKWARD_MAX_EXPERTS or x_PI.shape[0] < PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT * experts:
         return False
     if x_PI.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    if torch.compiler.is_compiling():  # the host counts would break the graph: torch's grouped GEMM both ways
         return False
     return _per_expert_gemms_run_well(x_PI.device.type, impl)
 
@@ -350,6 +353,8 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
         if host_counts is not None and mode == "auto":
             return _GroupedExpertLinear.apply(x_PI, w_EOI, offs_E, host_counts, impl)
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
+    if torch.compiler.is_compiling():
+        return _compiled_expert_loop(x_PI, w_EOI, tokens_per_expert_E)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync
     pieces, start = [], 0
@@ -360,6 +365,63 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
     if not pieces:
         return x_PI[:0] @ w_EOI[0].t()  # no rows: an empty product keeps x and the weights in the graph
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+# The per-expert loop under torch.compile (fp32 and fp16, which torch's grouped GEMM does not trace): one custom op
+# each way that reads the group sizes when it runs. Traced, that read would break the graph at each layer, and the
+# sizes, specialised into the graph as constants, would recompile it at nearly every step.
+@torch.library.custom_op("loongforge::expert_loop_matmul", mutates_args=())
+def _expert_loop_op(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    y_PO = x_PI.new_zeros(x_PI.shape[0], w_EOI.shape[1])
+    start = 0
+    with torch.autocast(x_PI.device.type, enabled=False):  # the caller cast the inputs as autocast would
+        for e, n in enumerate(tokens_per_expert_E.tolist()):
+            if n:
+                torch.mm(x_PI[start:start + n], w_EOI[e].t(), out=y_PO[start:start + n])
+                start += n
+    return y_PO
+
+
+@_expert_loop_op.register_fake
+def _(x_PI, w_EOI, tokens_per_expert_E):
+    return x_PI.new_empty(x_PI.shape[0], w_EOI.shape[1])
+
+
+@torch.library.custom_op("loongforge::expert_loop_matmul_backward", mutates_args=())
+def _expert_loop_backward_op(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor,
+                             tokens_per_expert_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(x_PI.device.type, enabled=False):
+        return expert_linear_backward(dy_PO, x_PI, w_EOI, tokens_per_expert_E.tolist(), need_dx=True, need_dw=True)
+
+
+@_expert_loop_backward_op.register_fake
+def _(dy_PO, x_PI, w_EOI, tokens_per_expert_E):
+    return x_PI.new_empty(x_PI.shape), w_EOI.new_empty(w_EOI.shape)
+
+
+def _expert_loop_setup_context(ctx, inputs, output):
+    x_PI, w_EOI, tokens_per_expert_E = inputs
+    ctx.save_for_backward(x_PI, w_EOI, tokens_per_expert_E)
+
+
+def _expert_loop_backward(ctx, dy_PO):
+    x_PI, w_EOI, tokens_per_expert_E = ctx.saved_tensors
+    dx_PI, dw_EOI = _expert_loop_backward_op(dy_PO.contiguous(), x_PI, w_EOI, tokens_per_expert_E)
+    return dx_PI, dw_EOI, None
+
+
+_expert_loop_op.register_autograd(_expert_loop_backward, setup_context=_expert_loop_setup_context)
+
+
+def _compiled_expert_loop(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor):
+    device_type = x_PI.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)  # the eager loop's matmuls run in it
+        x_PI, w_EOI = x_PI.to(dtype), w_EOI.to(dtype)
+    elif w_EOI.dtype != x_PI.dtype:
+        raise ValueError(f"expert_matmul: rows are {x_PI.dtype} but the expert weights {w_EOI.dtype}; outside "
+                         "torch.autocast they must match")
+    return _expert_loop_op(x_PI.contiguous(), w_EOI, tokens_per_expert_E)
 
 
 class _Exchange:
@@ -571,7 +633,8 @@ class ExpertMaskedMoE(nn.Module):
         """The local experts (or the chunk of them whose stacked weights are given) on expert-major rows,
         group sizes tokens_per_expert_E (group ends offsets_E, int32, when the routing gave them)."""
         loop = self._use_loop(x_PH)
-        counts = tokens_per_expert_E.tolist() if loop else None  # loop: one host sync
+        # loop: one host sync (under torch.compile, inside the loop's custom op)
+        counts = tokens_per_expert_E.tolist() if loop and not torch.compiler.is_compiling() else None
         # grouped GEMMs: both take the same group ends, computed once
         offs_E = None if loop else (offsets_E if offsets_E is not None
                                     else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))

@@ -15,10 +15,10 @@ GEMMs, two of them narrow (KV = H / 4 at the e2e mixtral shape, where the H200 r
   concatenation splits into each weight's gradient (views, no copy).
 * The math is the stock Linears': every output element is the same dot product. Any other call (another
   input, x modified in place in between, a second call of the same projection, mixed dtypes or devices,
-  ZeRO-3 parameters, which DeepSpeed gathers per module) runs that Linear on its own, as stock does. So does
-  every call while one of the three is no longer the attention's own attribute (a wrapper such as PEFT's
-  ``ParamWrapper`` stands in its place and changes its weight only during its own call) or has forward
-  pre-hooks (which may change a weight before that Linear's call, after the fused product was taken).
+  ZeRO-3 parameters, which DeepSpeed gathers per module, a call under torch.compile) runs that Linear on its own,
+  as stock does. So does every call while one of the three is no longer the attention's own attribute (a wrapper
+  such as PEFT's ``ParamWrapper`` stands in its place and changes its weight only during its own call) or has
+  forward pre-hooks (which may change a weight before that Linear's call, after the fused product was taken).
 * Modules, Parameters, names and state-dict keys stay as they were; nothing is copied at inject.
 
 The outputs are column slices of the [T, N] product (views, row stride N): the attention's ``view`` +
@@ -49,6 +49,10 @@ class QKVProjection:
         self.fused_calls = 0  # products computed for all three at once (what tests count)
 
     def project(self, linear: nn.Linear, x_TH: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # the check that x was not modified in place between the three calls reads its version counter, which
+            # torch.compile cannot trace (a data-dependent graph break at each call): each Linear on its own
+            return F.linear(x_TH, linear.weight, linear.bias)
         role = self.linears.index(linear)
         pending = self._pending
         if pending is not None:

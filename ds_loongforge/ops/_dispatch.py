@@ -61,10 +61,14 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
 
 
-def kernel_for(op: str, builders: dict, device_type: str, impl: str):
+def kernel_for(op: str, builders: dict, device_type: str, impl: str, library=None):
     """The compiled module for ``device_type`` ('cpu'/'cuda'), or None to run the reference.
 
-    ``builders`` maps a device type to the builder class of that op's kernel.
+    ``builders`` maps a device type to the builder class of that op's kernel. Under ``torch.compile``, where the
+    module's pybind functions cannot be traced (each call would break the graph), ``library`` is returned instead
+    when the kernel loads: the op's class of the same methods over its ``torch.library`` custom ops (see
+    ``library_module``), whose fake kernels let the compiler trace through. Loading (or building) is done once, at
+    trace time, outside the graph.
     """
     check_impl(impl)
     if impl == "reference":
@@ -72,6 +76,22 @@ def kernel_for(op: str, builders: dict, device_type: str, impl: str):
     if impl != "auto" and impl != device_type:
         raise ValueError(f"{op}: impl={impl!r} was requested but the tensors are on {device_type!r}; "
                          f"move them to {impl!r} or use impl='auto'")
+    if library is not None and torch.compiler.is_compiling():
+        return library if _loads(op, builders, device_type, impl) else None
+    return _load(op, builders, device_type, impl)
+
+
+@torch.compiler.assume_constant_result  # run at trace time, its answer a constant of the graph
+def _loads(op: str, builders: dict, device_type: str, impl: str) -> bool:
+    return _load(op, builders, device_type, impl) is not None
+
+
+def library_module(builders: dict, device_type: str):
+    """The loaded module a custom op's implementation calls at run time (loaded at trace time by kernel_for)."""
+    return builders[device_type]().load()
+
+
+def _load(op: str, builders: dict, device_type: str, impl: str):
     builder_cls = builders.get(device_type)
     if builder_cls is None:
         if impl == "auto":
@@ -91,7 +111,7 @@ def kernel_for(op: str, builders: dict, device_type: str, impl: str):
                 message = (f"[LoongForge] {op} kernel '{key}' is unavailable, using the PyTorch reference "
                            f"(slower, same results): {err.reason}. Fix: {err.fix}. "
                            f"Set {_STRICT_ENV}=1 or \"strict_ops\": true to make this an error.")
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
                 logger.warning(message)
     if impl == "auto" and not strict_ops():
         return None

@@ -21,11 +21,55 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedCrossEntropyBuilder, FusedCrossEntropyCPUBuilder
-from ds_loongforge.ops._dispatch import check_impl, kernel_for
+from ds_loongforge.ops._dispatch import check_impl, kernel_for, library_module
 
 _BUILDERS = {"cuda": FusedCrossEntropyBuilder, "cpu": FusedCrossEntropyCPUBuilder}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOGITS_DTYPES = _GRAD_DTYPES + (torch.float64,)  # fp64 runs the reference
+
+
+# The kernels as torch.library custom ops for torch.compile (see ops/rmsnorm.py). These return the gradient and
+# the scaled tensor as new tensors, which _Library copies into the caller's buffer: a custom op that wrote into an
+# argument (possibly the logits it reads) would have to be functionalized around anyway.
+@torch.library.custom_op("loongforge::cross_entropy_forward", mutates_args=())
+def _forward_op(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor, scale_C: torch.Tensor,
+                want_grad: bool, grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_CV = torch.empty(logits_CV.shape, dtype=grad_dtype, device=logits_CV.device) if want_grad else None
+    nll_C = library_module(_BUILDERS, logits_CV.device.type).forward(logits_CV, target_C, valid_C, scale_C, grad_CV)
+    return nll_C, (logits_CV.new_empty(0, dtype=grad_dtype) if grad_CV is None else grad_CV)
+
+
+@_forward_op.register_fake
+def _(logits_CV, target_C, valid_C, scale_C, want_grad, grad_dtype):
+    return (logits_CV.new_empty(logits_CV.shape[0], dtype=torch.float32),
+            logits_CV.new_empty(logits_CV.shape if want_grad else (0,), dtype=grad_dtype))
+
+
+@torch.library.custom_op("loongforge::scale_by", mutates_args=())
+def _scale_by_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return library_module(_BUILDERS, x.device.type).scale_by(x, scale, None)
+
+
+@_scale_by_op.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+class _Library:
+    """The kernel module's methods over the custom ops (what kernel_for returns under torch.compile)."""
+
+    @staticmethod
+    def forward(logits_CV, target_C, valid_C, scale_C, grad_CV):
+        nll_C, grad = _forward_op(logits_CV, target_C, valid_C, scale_C, grad_CV is not None,
+                                  logits_CV.dtype if grad_CV is None else grad_CV.dtype)
+        if grad_CV is not None:
+            grad_CV.copy_(grad)
+        return nll_C
+
+    @staticmethod
+    def scale_by(x, scale, out):
+        scaled = _scale_by_op(x, scale)
+        return scaled if out is None else out.copy_(scaled)
 
 
 def cross_entropy_reference(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor,
@@ -105,7 +149,7 @@ def softmax_cross_entropy_(logits_CV: torch.Tensor, target_C: torch.Tensor, vali
     if logits_CV.dtype == torch.float64:
         check_impl(impl)
         return cross_entropy_reference(logits_CV, target_C, valid_C, scale_C, grad_CV)
-    kernel = kernel_for("softmax_cross_entropy_", _BUILDERS, logits_CV.device.type, impl)
+    kernel = kernel_for("softmax_cross_entropy_", _BUILDERS, logits_CV.device.type, impl, _Library)
     if kernel is None:
         return cross_entropy_reference(logits_CV, target_C, valid_C, scale_C, grad_CV)
     # the per-row vectors are C elements: a copy of a strided one costs nothing next to the [C, V] logits
@@ -129,7 +173,7 @@ def scale_by(x: torch.Tensor, scale: torch.Tensor, in_place: bool = False, impl:
     check_impl(impl)
     fits = (x.dtype in _GRAD_DTYPES and x.is_contiguous() and scale.dtype == torch.float32 and scale.numel() == 1
             and scale.device == x.device)
-    kernel = kernel_for("scale_by", _BUILDERS, x.device.type, impl) if fits or impl != "auto" else None
+    kernel = kernel_for("scale_by", _BUILDERS, x.device.type, impl, _Library) if fits or impl != "auto" else None
     if kernel is None:
         return scale_by_reference(x, scale, in_place)
     return kernel.scale_by(x, scale.reshape(1), x if in_place else None)

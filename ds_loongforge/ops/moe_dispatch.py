@@ -41,11 +41,129 @@ from typing import NamedTuple
 import torch
 
 from ds_loongforge.op_builder import MoEDispatchBuilder, MoEDispatchCPUBuilder
-from ds_loongforge.ops._dispatch import check_rounding, kernel_for, refuse_double_backward
+from ds_loongforge.ops._dispatch import check_rounding, kernel_for, library_module, refuse_double_backward
 
 _BUILDERS = {"cuda": MoEDispatchBuilder, "cpu": MoEDispatchCPUBuilder}
 MAX_KERNEL_EXPERTS = 8192  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRoutingExperts (CUDA)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# The kernels as torch.library custom ops for torch.compile (see ops/rmsnorm.py); the router's are here too, as
+# they are built into this op. Outputs the kernels leave undefined come back as empty tensors.
+def _module(t: torch.Tensor):
+    return library_module(_BUILDERS, t.device.type)
+
+
+@torch.library.custom_op("loongforge::moe_permute_forward", mutates_args=())
+def _permute_forward_op(x_TH: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    return _module(x_TH).permute_forward(x_TH, slot_TK)
+
+
+@_permute_forward_op.register_fake
+def _(x_TH, slot_TK):
+    return x_TH.new_empty(slot_TK.numel(), x_TH.shape[1])
+
+
+@torch.library.custom_op("loongforge::moe_permute_backward", mutates_args=())
+def _permute_backward_op(dx_PH: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    return _module(dx_PH).permute_backward(dx_PH, slot_TK)
+
+
+@_permute_backward_op.register_fake
+def _(dx_PH, slot_TK):
+    return dx_PH.new_empty(slot_TK.shape[0], dx_PH.shape[1])
+
+
+@torch.library.custom_op("loongforge::moe_unpermute_forward", mutates_args=())
+def _unpermute_forward_op(y_PH: torch.Tensor, slot_TK: torch.Tensor, weights_TK: torch.Tensor,
+                          residual_TH: torch.Tensor | None, stock: bool, round_products: bool) -> torch.Tensor:
+    return _module(y_PH).unpermute_forward(y_PH, slot_TK, weights_TK, residual_TH, stock, round_products)
+
+
+@_unpermute_forward_op.register_fake
+def _(y_PH, slot_TK, weights_TK, residual_TH, stock, round_products):
+    return y_PH.new_empty(slot_TK.shape[0], y_PH.shape[1])
+
+
+@torch.library.custom_op("loongforge::moe_unpermute_backward", mutates_args=())
+def _unpermute_backward_op(dout_TH: torch.Tensor, y_PH: torch.Tensor | None, slot_TK: torch.Tensor,
+                           weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dy_PH, dweights_TK = _module(dout_TH).unpermute_backward(dout_TH, y_PH, slot_TK, weights_TK)
+    return dy_PH, (weights_TK.new_empty(0) if dweights_TK is None else dweights_TK)
+
+
+@_unpermute_backward_op.register_fake
+def _(dout_TH, y_PH, slot_TK, weights_TK):
+    return (dout_TH.new_empty(slot_TK.numel(), dout_TH.shape[1]),
+            weights_TK.new_empty(slot_TK.shape if y_PH is not None else (0,)))
+
+
+@torch.library.custom_op("loongforge::moe_routing_indices", mutates_args=())
+def _routing_indices_op(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor]:
+    return tuple(_module(ids_TK).routing_indices(ids_TK, num_experts))
+
+
+@_routing_indices_op.register_fake
+def _(ids_TK, num_experts):
+    return (ids_TK.new_empty(ids_TK.numel(), dtype=torch.int64), ids_TK.new_empty(ids_TK.shape, dtype=torch.int64),
+            ids_TK.new_empty(num_experts, dtype=torch.int64), ids_TK.new_empty(num_experts, dtype=torch.int32))
+
+
+@torch.library.custom_op("loongforge::moe_topk_counts", mutates_args=())
+def _topk_counts_op(values_RE: torch.Tensor, k: int, weights_R: torch.Tensor | None) -> torch.Tensor:
+    return _module(values_RE).topk_counts(values_RE, k, weights_R)
+
+
+@_topk_counts_op.register_fake
+def _(values_RE, k, weights_R):
+    return values_RE.new_empty(values_RE.shape[1], dtype=torch.int64)
+
+
+@torch.library.custom_op("loongforge::moe_router_topk_forward", mutates_args=())
+def _router_forward_op(logits_TE: torch.Tensor, k: int,
+                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_module(logits_TE).router_topk_forward(logits_TE, k, renormalize))
+
+
+@_router_forward_op.register_fake
+def _(logits_TE, k, renormalize):
+    tokens = logits_TE.shape[0]
+    return (logits_TE.new_empty(logits_TE.shape, dtype=torch.float32),
+            logits_TE.new_empty(tokens, k, dtype=torch.float32), logits_TE.new_empty(tokens, k, dtype=torch.int64))
+
+
+@torch.library.custom_op("loongforge::moe_router_topk_backward", mutates_args=())
+def _router_backward_op(dweights_TK: torch.Tensor, dprobs_TE: torch.Tensor | None, probs_TE: torch.Tensor,
+                        ids_TK: torch.Tensor, renormalize: bool, logits_dtype: torch.dtype) -> torch.Tensor:
+    return _module(probs_TE).router_topk_backward(dweights_TK, dprobs_TE, probs_TE, ids_TK, renormalize, logits_dtype)
+
+
+@_router_backward_op.register_fake
+def _(dweights_TK, dprobs_TE, probs_TE, ids_TK, renormalize, logits_dtype):
+    return probs_TE.new_empty(probs_TE.shape, dtype=logits_dtype)
+
+
+class _Library:
+    """The kernel module's methods over the custom ops (what kernel_for returns under torch.compile). Its
+    expert_linear_backward is not here: under torch.compile the layer takes torch's grouped GEMM both ways
+    (per_expert_backward_pays), as the per-expert GEMMs need the group sizes on the host."""
+
+    permute_forward = staticmethod(_permute_forward_op)
+    permute_backward = staticmethod(_permute_backward_op)
+    unpermute_forward = staticmethod(_unpermute_forward_op)
+    topk_counts = staticmethod(_topk_counts_op)
+    router_topk_forward = staticmethod(_router_forward_op)
+    router_topk_backward = staticmethod(_router_backward_op)
+
+    @staticmethod
+    def unpermute_backward(dout_TH, y_PH, slot_TK, weights_TK):
+        dy_PH, dweights_TK = _unpermute_backward_op(dout_TH, y_PH, slot_TK, weights_TK)
+        return dy_PH, (dweights_TK if y_PH is not None else None)
+
+    @staticmethod
+    def routing_indices(ids_TK, num_experts):
+        return _routing_indices_op(ids_TK, num_experts)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,7 +194,8 @@ def _check_routing_args(ids_TK: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"routing_indices: ids_TK must hold integer expert ids, got dtype {ids_TK.dtype}")
     if num_experts < 1:
         raise ValueError(f"routing_indices: num_experts must be >= 1, got {num_experts}")
-    if ids_TK.device.type == "cpu" and ids_TK.numel():
+    if ids_TK.device.type == "cpu" and ids_TK.numel() and not torch.compiler.is_compiling():
+        # (under torch.compile the CPU kernel's own check of each id says it at run time, without a graph break)
         low, high = int(ids_TK.min()), int(ids_TK.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"routing_indices: expert ids must be in [0, {num_experts}), got ids from {low} "
@@ -124,7 +243,7 @@ def expert_routing(ids_TK: torch.Tensor, num_experts: int, impl: str = "auto") -
     _check_routing_args(ids_TK, num_experts)
     kernel = None
     if not (ids_TK.device.type == "cuda" and num_experts > MAX_KERNEL_EXPERTS and impl == "auto"):
-        kernel = kernel_for("routing_indices", _BUILDERS, ids_TK.device.type, impl)
+        kernel = kernel_for("routing_indices", _BUILDERS, ids_TK.device.type, impl, _Library)
     if kernel is None or ids_TK.numel() >= 2**31 - 1:
         return _sorted_routing(ids_TK, num_experts)
     return Routing(*kernel.routing_indices(ids_TK.long().contiguous(), num_experts))
@@ -186,7 +305,7 @@ def topk_counts(values_RE: torch.Tensor, k: int, weights_R: torch.Tensor | None 
     _check_topk_counts_args(values_RE, k, weights_R)
     kernel = None
     if impl != "auto" or (values_RE.dtype in _KERNEL_DTYPES and values_RE.shape[1] <= MAX_TOPK_COUNT_COLUMNS):
-        kernel = kernel_for("topk_counts", _BUILDERS, values_RE.device.type, impl)
+        kernel = kernel_for("topk_counts", _BUILDERS, values_RE.device.type, impl, _Library)
     if kernel is None:
         return topk_counts_reference(values_RE, k, weights_R)
     return kernel.topk_counts(values_RE.detach().contiguous(), int(k),
@@ -280,7 +399,7 @@ def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch
     counts = [int(n) for n in counts]
     _check_expert_linear_args(dy_PO, x_PI, w_EOI, counts)
     code = _row_bucket_code(row_bucket)
-    kernel = _kernel("expert_linear_backward", x_PI, impl)
+    kernel = _kernel("expert_linear_backward", x_PI, impl, library=None)  # host counts: no custom op
     if kernel is None:
         return expert_linear_backward_reference(dy_PO, x_PI, w_EOI, counts, need_dx, need_dw)
     return tuple(kernel.expert_linear_backward(dy_PO.contiguous(), x_PI.contiguous(), w_EOI.contiguous(), counts,
@@ -397,12 +516,12 @@ class _MoEUnpermuteFunction(torch.autograd.Function):
         return (dy_PH if ctx.needs_input_grad[0] else None), None, dweights_TK, dresidual_TH, None, None, None
 
 
-def _kernel(op: str, rows: torch.Tensor, impl: str):
+def _kernel(op: str, rows: torch.Tensor, impl: str, library=_Library):
     """The compiled module for ``rows``' device, or None for the reference (auto with a dtype the kernels
     do not take, e.g. fp64, or a build that failed)."""
     if impl == "auto" and rows.dtype not in _KERNEL_DTYPES:
         return None
-    return kernel_for(op, _BUILDERS, rows.device.type, impl)
+    return kernel_for(op, _BUILDERS, rows.device.type, impl, library)
 
 
 def moe_permute(x_TH: torch.Tensor, order_P: torch.Tensor, slot_TK: torch.Tensor, impl: str = "auto") -> torch.Tensor:

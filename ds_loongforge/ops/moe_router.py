@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.ops._dispatch import kernel_for, refuse_double_backward
-from ds_loongforge.ops.moe_dispatch import _BUILDERS, _KERNEL_DTYPES  # the same compiled op family
+from ds_loongforge.ops.moe_dispatch import _BUILDERS, _KERNEL_DTYPES, _Library  # the same compiled op family
 
 MAX_KERNEL_EXPERTS = 1024  # csrc/moe_dispatch/moe_dispatch_checks.h: kMaxRouterExperts
 MAX_KERNEL_TOP_K = 32  # kMaxRouterTopK
@@ -91,7 +91,7 @@ def router_topk(logits_TE: torch.Tensor, k: int, renormalize: bool = True, impl:
         return router_topk_reference(logits_TE, k, renormalize)
     if impl == "auto" and not kernel_fits(logits_TE, k):
         return router_topk_reference(logits_TE, k, renormalize)
-    kernel = kernel_for("moe_router_topk", _BUILDERS, logits_TE.device.type, impl)
+    kernel = kernel_for("moe_router_topk", _BUILDERS, logits_TE.device.type, impl, _Library)
     if kernel is None:
         return router_topk_reference(logits_TE, k, renormalize)
     return _RouterTopKFunction.apply(logits_TE.contiguous(), int(k), bool(renormalize), kernel)

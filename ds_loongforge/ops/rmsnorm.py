@@ -22,9 +22,53 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedRMSNormBuilder, FusedRMSNormCPUBuilder
-from ds_loongforge.ops._dispatch import as_rows, check_rounding, check_rows_input, kernel_for, refuse_double_backward
+from ds_loongforge.ops._dispatch import (as_rows, check_rounding, check_rows_input, kernel_for, library_module,
+                                         refuse_double_backward)
 
 _BUILDERS = {"cuda": FusedRMSNormBuilder, "cpu": FusedRMSNormCPUBuilder}
+
+
+# The kernels as torch.library custom ops, which torch.compile traces through their fake (shape-only) kernels where
+# it cannot trace the module's pybind functions. Eager calls keep the pybind functions: a custom op's Python
+# dispatch costs host time the eager step does not have to spare. Outputs the kernels leave undefined come back
+# as empty tensors (a custom op returns tensors only); _Library maps them back to None.
+@torch.library.custom_op("loongforge::rmsnorm_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                stock: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, h, rstd = library_module(_BUILDERS, x.device.type).forward(x, residual, weight, eps, stock)
+    return y, (x.new_empty(0) if h is None else h), rstd
+
+
+@_forward_op.register_fake
+def _(x, residual, weight, eps, stock):
+    rows, hidden = x.shape
+    return (x.new_empty(rows, hidden), x.new_empty((rows, hidden) if residual is not None else (0,)),
+            x.new_empty(rows, dtype=torch.float32))
+
+
+@torch.library.custom_op("loongforge::rmsnorm_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, h: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                 dresidual: torch.Tensor | None, stock: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = library_module(_BUILDERS, h.device.type).backward(dy, h, rstd, weight, dresidual, stock)
+    return dx, dw
+
+
+@_backward_op.register_fake
+def _(dy, h, rstd, weight, dresidual, stock):
+    return h.new_empty(h.shape), torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+class _Library:
+    """The kernel module's methods over the custom ops (what kernel_for returns under torch.compile)."""
+
+    @staticmethod
+    def forward(x, residual, weight, eps, stock):
+        y, h, rstd = _forward_op(x, residual, weight, eps, stock)
+        return y, (h if residual is not None else None), rstd
+
+    @staticmethod
+    def backward(dy, h, rstd, weight, dresidual, stock):
+        return _backward_op(dy, h, rstd, weight, dresidual, stock)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,7 +152,7 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         return fused_rmsnorm(h, weight, eps, impl=impl, rounding=rounding), h
     kernel = None
     if impl != "auto" or x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl)
+        kernel = kernel_for("fused_rmsnorm", _BUILDERS, x.device.type, impl, _Library)
     if kernel is not None and weight.dtype != x.dtype and weight.dtype in (torch.float16, torch.bfloat16):
         # the kernels take a weight of x's dtype or fp32; a 16-bit weight of another dtype (a bf16 model's norm fed
         # fp32 activations) is exact in fp32, and the product is rounded to x's dtype as with an fp32 weight. Its

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
-from ds_loongforge.ops._dispatch import as_rows, check_rounding, check_rows_input, kernel_for, refuse_double_backward
+from ds_loongforge.ops._dispatch import (as_rows, check_rounding, check_rows_input, kernel_for, library_module,
+                                         refuse_double_backward)
 
 _BUILDERS = {"cuda": FusedSwiGLUBuilder, "cpu": FusedSwiGLUCPUBuilder}
 _MASK32 = 0xFFFFFFFF
@@ -101,6 +102,45 @@ def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offse
     return out.to(gate_up.dtype)
 
 
+# The kernels as torch.library custom ops for torch.compile (see ops/rmsnorm.py): the seed is an int64 tensor of
+# one element on the CPU, so that a seed drawn inside a compiled graph reaches the kernel without a graph break.
+@torch.library.custom_op("loongforge::swiglu_forward", mutates_args=())
+def _forward_op(gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int, stock: bool) -> torch.Tensor:
+    return library_module(_BUILDERS, gate_up.device.type).forward(gate_up, p, int(seed), offset, stock)
+
+
+@_forward_op.register_fake
+def _(gate_up, p, seed, offset, stock):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+@torch.library.custom_op("loongforge::swiglu_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int,
+                 stock: bool) -> torch.Tensor:
+    return library_module(_BUILDERS, gate_up.device.type).backward(dout, gate_up, p, int(seed), offset, stock)
+
+
+@_backward_op.register_fake
+def _(dout, gate_up, p, seed, offset, stock):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _seed_tensor(seed) -> torch.Tensor:
+    return seed if isinstance(seed, torch.Tensor) else torch.full((1,), seed, dtype=torch.int64)
+
+
+class _Library:
+    """The kernel module's methods over the custom ops (what kernel_for returns under torch.compile)."""
+
+    @staticmethod
+    def forward(gate_up, p, seed, offset, stock):
+        return _forward_op(gate_up, p, _seed_tensor(seed), offset, stock)
+
+    @staticmethod
+    def backward(dout, gate_up, p, seed, offset, stock):
+        return _backward_op(dout, gate_up, p, _seed_tensor(seed), offset, stock)
+
+
 class _FusedSwiGLUFunction(torch.autograd.Function):
     """Over 2-D rows; swiglu_dropout shapes the output outside the Function (a view made inside one could not be
     modified in place by the caller)."""
@@ -138,14 +178,21 @@ def swiglu_dropout(gate_up: torch.Tensor, p: float = 0.0, seed: int | None = Non
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_dropout: the last dimension holds [gate | up] and must be even, "
                          f"got shape {tuple(gate_up.shape)}")
-    if seed is None:
+    compiling = torch.compiler.is_compiling()
+    if seed is None and p > 0 and compiling:
+        # drawn inside the graph (torch.compile's generator) and read by the kernel at run time: reading it here
+        # (draw_seed's .item()) would break the graph
+        seed = torch.randint(0, _SEED_MAX, (1,), dtype=torch.int64)
+    elif seed is None:
         seed = draw_seed() if p > 0 else 0
-    if not 0 <= seed <= _SEED_MAX or not 0 <= offset <= _SEED_MAX:
+    if not 0 <= offset <= _SEED_MAX or (not isinstance(seed, torch.Tensor) and not 0 <= seed <= _SEED_MAX):
         raise ValueError(f"swiglu_dropout: seed and offset must be in [0, 2^63), got seed={seed} offset={offset}")
     kernel = None
     if impl != "auto" or gate_up.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        kernel = kernel_for("swiglu_dropout", _BUILDERS, gate_up.device.type, impl)
+        kernel = kernel_for("swiglu_dropout", _BUILDERS, gate_up.device.type, impl, _Library)
     if kernel is None:
-        return swiglu_reference(gate_up, p, seed, offset, rounding)
-    out = _FusedSwiGLUFunction.apply(as_rows(gate_up), float(p), int(seed), int(offset), kernel, stock)
+        return swiglu_reference(gate_up, p, int(seed), offset, rounding)
+    if not isinstance(seed, torch.Tensor):
+        seed = int(seed)
+    out = _FusedSwiGLUFunction.apply(as_rows(gate_up), float(p), seed, int(offset), kernel, stock)
     return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

@@ -1,0 +1,163 @@
+"""torch.compile of injected models: the kernels are torch.library custom ops under compile (their fake kernels give
+the compiler the shapes), so a model of every family compiles into one graph as the stock model does, and the
+compiled training step computes what the eager one does.
+
+Before: every fused op's pybind call broke the graph (20 breaks in a 2-layer Llama, 30 in a Mixtral, where the
+stock models have none), and so did the q/k/v fusion's version check and the routing's host-side id check."""
+
+import copy
+
+import pytest
+import torch
+
+from ds_loongforge.integrations.inject import inject
+from ds_loongforge.ops.swiglu import swiglu_dropout, swiglu_reference
+from tests.integrations.test_inject import ENABLED, FAMILIES, build, token_ids
+
+# the q/k/v fusion runs each Linear on its own under compile (see modules/qkv.py): one GEMM's roundings instead of
+# three, so the eager model the compiled one is compared with bit for bit leaves it out too
+NO_QKV = {"loongforge": {"enabled": True, "fused_kernels": {"qkv": False}}}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+
+
+def _models(family: str, dtype: torch.dtype, config=ENABLED, device="cpu"):
+    stock = build(family)
+    ids = token_ids(stock, (2, 12))
+    stock = stock.to(device=device, dtype=dtype)
+    model = copy.deepcopy(stock)
+    inject(model, config)
+    return stock, model, ids.to(device)
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _step(model, ids, compiled=None):
+    model.zero_grad(set_to_none=True)
+    loss = (model if compiled is None else compiled)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _graph_text(explanation) -> str:
+    return "\n".join(g.print_readable(print_output=False) for g in explanation.graphs)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes on the lru_cache it traces through
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_compiles_into_one_graph_with_the_kernels_in_it(family):
+    torch._dynamo.reset()
+    stock, model, ids = _models(family, torch.bfloat16)
+    stock_breaks = torch._dynamo.explain(lambda i: _loss(stock, i))(ids).graph_break_count
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda i: _loss(model, i))(ids)
+    reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    assert explanation.graph_break_count == stock_breaks == 0, reasons
+    graph = _graph_text(explanation)
+    expected = ["loongforge.rmsnorm_forward", "loongforge.rmsnorm_backward", "loongforge.cross_entropy_forward"]
+    expected += ["loongforge.swiglu_forward", "loongforge.swiglu_backward"]
+    if family in MOE_FAMILIES:
+        expected += ["loongforge.moe_routing_indices", "loongforge.moe_permute_forward",
+                     "loongforge.moe_permute_backward", "loongforge.moe_unpermute_forward",
+                     "loongforge.moe_unpermute_backward"]
+    if family in ("mixtral", "qwen3_moe", "olmoe"):  # softmax routers; qwen2_moe's takes no renormalisation kernel
+        expected += ["loongforge.moe_router_topk_forward", "loongforge.moe_router_topk_backward"]
+    missing = [op for op in expected if op not in graph]
+    assert not missing, f"{family}: {missing} not in the compiled graph"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_training_step_equals_the_eager_one_bit_for_bit(family):
+    """aot_eager runs the traced graph op by op: the custom ops must give the eager kernels' bits, forward and
+    backward, and every parameter its gradient (bf16, where roundings show)."""
+    torch._dynamo.reset()
+    _, model, ids = _models(family, torch.bfloat16, NO_QKV)
+    loss, grads = _step(model, ids)
+    compiled_loss, compiled_grads = _step(model, ids, torch.compile(model, backend="aot_eager"))
+    assert torch.equal(compiled_loss, loss)
+    assert compiled_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(compiled_grads[name], grad), name
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_inductor_training_step_matches_eager(family):
+    """The default backend (inductor's C++ code for the stock ops around ours), fp32, and a second sequence length
+    (a recompile with dynamic shapes, through the fake kernels). An fp32 MoE layer takes its per-expert loop under
+    compile (torch's grouped GEMM traces bf16 only), which breaks the graph where it reads its group sizes."""
+    torch._dynamo.reset()
+    _, model, ids = _models(family, torch.float32)
+    compiled = torch.compile(model)
+    for length in (12, 9):
+        batch = ids[:, :length]
+        loss, grads = _step(model, batch)
+        compiled_loss, compiled_grads = _step(model, batch, compiled)
+        torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+        assert compiled_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiled_swiglu_dropout_draws_its_seed_in_the_graph():
+    """p > 0 without a seed: the seed is drawn inside the graph (reading it on the host would break the graph)
+    and reaches both kernels; with a seed the compiled op gives the eager op's bits."""
+    torch._dynamo.reset()
+    p = 0.25
+    gate_up = torch.randn(64, 2 * 96, requires_grad=True)
+
+    def f(x, seed=None):
+        return swiglu_dropout(x, p=p, seed=seed)
+
+    explanation = torch._dynamo.explain(f)(gate_up)
+    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    compiled = torch.compile(f, backend="aot_eager")
+    gate, up = gate_up.detach().chunk(2, dim=-1)
+    full = torch.nn.functional.silu(gate) * up / (1 - p)
+    masks = []
+    for _ in range(2):
+        out = compiled(gate_up)
+        keep = out != 0
+        torch.testing.assert_close(out[keep], full[keep], rtol=1e-6, atol=1e-6)
+        assert 0.15 < 1 - keep.float().mean().item() < 0.35  # 6144 draws of p = 0.25: ~0.0055 std
+        gate_up.grad = None
+        out.backward(torch.ones_like(out))
+        # the backward regenerated the same mask: a dropped output sends no gradient to its gate or up
+        dgate, dup = gate_up.grad.chunk(2, dim=-1)
+        assert torch.all(dup[~keep] == 0) and torch.all(dgate[~keep] == 0)
+        torch.testing.assert_close(dup[keep], (torch.nn.functional.silu(gate) / (1 - p))[keep])
+        masks.append(keep)
+    assert not torch.equal(masks[0], masks[1])  # a new seed each call
+    seeded = torch.compile(lambda x: f(x, seed=1234), backend="aot_eager")(gate_up)
+    assert torch.equal(seeded, swiglu_dropout(gate_up, p=p, seed=1234))
+    reference = swiglu_reference(gate_up, p=p, seed=1234)  # the same Philox mask (values to fp32 rounding)
+    assert torch.equal(seeded != 0, reference != 0)
+    torch.testing.assert_close(seeded, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_gpu_compiled_training_step(family):
+    """On CUDA, bf16: one graph with the CUDA kernels in it, aot_eager bit for bit with eager, and inductor (Triton
+    for the stock ops) within bf16 roundings of eager."""
+    torch._dynamo.reset()
+    _, model, ids = _models(family, torch.bfloat16, NO_QKV, device="cuda")
+    explanation = torch._dynamo.explain(lambda i: _loss(model, i))(ids)
+    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    assert "loongforge.rmsnorm_forward" in _graph_text(explanation)
+    loss, grads = _step(model, ids)
+    torch._dynamo.reset()
+    compiled_loss, compiled_grads = _step(model, ids, torch.compile(model, backend="aot_eager"))
+    assert torch.equal(compiled_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(compiled_grads[name], grad), name
+    torch._dynamo.reset()
+    inductor_loss, inductor_grads = _step(model, ids, torch.compile(model))
+    torch.testing.assert_close(inductor_loss, loss, rtol=2e-2, atol=0)
+    for name, grad in grads.items():
+        scale = grad.float().abs().max().item() or 1.0
+        assert (inductor_grads[name].float() - grad.float()).abs().max().item() <= 0.05 * scale, name
