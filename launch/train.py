@@ -154,6 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-flops", type=float, default=989e12,
                    help="peak dense bf16 FLOP/s per device for MFU (default 989e12: H200 SXM)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines instead)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile the model through DeepSpeed's engine.compile (BACKEND: inductor, the default, "
+                   "or another torch.compile backend such as aot_eager); the first steps then include compiling")
     args = p.parse_args(argv)
     # a path given as --flag=~/x (or quoted) reaches us unexpanded by the shell; hub names never start with "~"
     for name in ("deepspeed_config", "model", "dataset", "tokenizer", "save_dir", "kernel_trace"):
@@ -650,6 +653,8 @@ def main(argv=None) -> dict:
     except ImportError:
         initialize = deepspeed.initialize
     engine, _, _, _ = initialize(model=model, model_parameters=params, config=ds_config)
+    if args.compile:
+        engine.compile(backend=args.compile)
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     expert_aware = use_lf and block.sampler.expert_aware and bool(layers) and args.expert_aware_sampler
