@@ -227,6 +227,10 @@ def make_wrapper(original: Callable, fused: Callable, label: str, tail: tuple[st
             if len(args) > len(tail) or not set(kwargs) <= set(tail[len(args):]):
                 return original(q, k, cos, sin, *args, **kwargs)  # not a call it accepts: let it say so
             unsqueeze_dim = {**dict(zip(tail, args)), **kwargs}.get("unsqueeze_dim", 1)
+        if torch.compiler.is_compiling():
+            # Liger's Triton launch (its kernel subscripted with a grid, in place on q/k) breaks the graph; the
+            # compiler fuses the standard expression into one kernel of its own
+            return original(q, k, cos, sin, *args, **kwargs)
         dtype = fused_dtype(q, k, cos, sin, unsqueeze_dim, device_type)
         if dtype is None or label in _failed:
             return original(q, k, cos, sin, *args, **kwargs)

@@ -320,14 +320,14 @@ def per_expert_backward_pays(x_PI: torch.Tensor, w_EOI: torch.Tensor, impl: str 
     kernel that issues them cheaply, and neither CUDA graph capture nor torch.compile (the host counts need a host
     read).
     LOONGFORGE_PER_EXPERT_BACKWARD=0 turns it off (torch's grouped GEMMs both ways), for A/B measurements."""
+    if torch.compiler.is_compiling():  # the host counts would break the graph: torch's grouped GEMM both ways
+        return False
     if os.environ.get("LOONGFORGE_PER_EXPERT_BACKWARD", "1") == "0":
         return False
     experts = w_EOI.shape[0]
     if experts > PER_EXPERT_BACKWARD_MAX_EXPERTS or x_PI.shape[0] < PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT * experts:
         return False
     if x_PI.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    if torch.compiler.is_compiling():  # the host counts would break the graph: torch's grouped GEMM both ways
         return False
     return _per_expert_gemms_run_well(x_PI.device.type, impl)
 

@@ -66,6 +66,9 @@ def _logits(h_CH: torch.Tensor, w_VH: torch.Tensor, logits_dtype: torch.dtype) -
     global _mm_out_dtype_ok
     if logits_dtype == h_CH.dtype:
         return torch.mm(h_CH, w_VH.t())
+    if h_CH.is_cuda and h_CH.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+        # no probe of out_dtype inside a traced graph: the 16-bit inputs widen exactly, the products and sums fp32
+        return torch.mm(h_CH.to(logits_dtype), w_VH.t().to(logits_dtype))
     if h_CH.is_cuda and h_CH.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_ok is not False:
         if _mm_out_dtype_ok:
             return torch.mm(h_CH, w_VH.t(), out_dtype=torch.float32)

@@ -12,6 +12,7 @@ import torch
 
 from ds_loongforge.integrations.inject import inject
 from ds_loongforge.ops.swiglu import swiglu_dropout, swiglu_reference
+from tests._dist import spawn_with_deadline
 from tests.integrations.test_inject import ENABLED, FAMILIES, build, token_ids
 
 # the q/k/v fusion runs each Linear on its own under compile (see modules/qkv.py): one GEMM's roundings instead of
@@ -40,6 +41,12 @@ def _step(model, ids, compiled=None):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def _breaks(explanation) -> list[str]:
+    """Each graph break's reason and where it happened (the message of a failed check)."""
+    where = lambda b: (f" @ {b.user_stack[-1].filename}:{b.user_stack[-1].lineno}" if b.user_stack else "")  # noqa
+    return [" | ".join(str(b.reason).splitlines()[:3]) + where(b) for b in explanation.break_reasons]
+
+
 def _graph_text(explanation) -> str:
     return "\n".join(g.print_readable(print_output=False) for g in explanation.graphs)
 
@@ -52,8 +59,7 @@ def test_every_family_compiles_into_one_graph_with_the_kernels_in_it(family):
     stock_breaks = torch._dynamo.explain(lambda i: _loss(stock, i))(ids).graph_break_count
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(lambda i: _loss(model, i))(ids)
-    reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
-    assert explanation.graph_break_count == stock_breaks == 0, reasons
+    assert explanation.graph_break_count == stock_breaks == 0, _breaks(explanation)
     graph = _graph_text(explanation)
     expected = ["loongforge.rmsnorm_forward", "loongforge.rmsnorm_backward", "loongforge.cross_entropy_forward"]
     expected += ["loongforge.swiglu_forward", "loongforge.swiglu_backward"]
@@ -113,7 +119,7 @@ def test_compiled_swiglu_dropout_draws_its_seed_in_the_graph():
         return swiglu_dropout(x, p=p, seed=seed)
 
     explanation = torch._dynamo.explain(f)(gate_up)
-    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    assert explanation.graph_break_count == 0, _breaks(explanation)
     compiled = torch.compile(f, backend="aot_eager")
     gate, up = gate_up.detach().chunk(2, dim=-1)
     full = torch.nn.functional.silu(gate) * up / (1 - p)
@@ -138,6 +144,42 @@ def test_compiled_swiglu_dropout_draws_its_seed_in_the_graph():
     torch.testing.assert_close(seeded, reference)
 
 
+def _expert_parallel_worker(rank, world, port, out_dir):
+    import warnings
+
+    import torch.distributed as dist
+
+    from ds_loongforge.modules.moe import ExpertMaskedMoE
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)  # the same gate on every rank
+        moe = ExpertMaskedMoE(16, 8, 8, 2, impl="cpu", ep_group=dist.group.WORLD).to(torch.bfloat16)
+        x = torch.rand(10 + 7 * rank, 16, dtype=torch.bfloat16, requires_grad=True)
+        params = [x] + list(moe.parameters())
+        compiled = torch.compile(moe, backend="aot_eager")
+        results = {}
+        for name, layer in (("eager", moe), ("compiled", compiled), ("compiled again", compiled)):
+            y = layer(x)
+            results[name] = [y.detach()] + list(torch.autograd.grad(y.float().square().sum(), params))
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_expert_parallel_layer_equals_eager(tmp_path):
+    """ep_size 2 on two gloo ranks: the all-to-all's split sizes still break the graph (they are host values), and
+    the compiled layer's outputs and every gradient are the eager layer's bits."""
+    spawn_with_deadline(_expert_parallel_worker, 2, str(tmp_path))
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in ("compiled", "compiled again"):
+            for got, want in zip(results[name], results["eager"]):
+                assert torch.equal(got, want), (rank, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
@@ -147,7 +189,7 @@ def test_gpu_compiled_training_step(family):
     torch._dynamo.reset()
     _, model, ids = _models(family, torch.bfloat16, NO_QKV, device="cuda")
     explanation = torch._dynamo.explain(lambda i: _loss(model, i))(ids)
-    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    assert explanation.graph_break_count == 0, _breaks(explanation)
     assert "loongforge.rmsnorm_forward" in _graph_text(explanation)
     loss, grads = _step(model, ids)
     torch._dynamo.reset()

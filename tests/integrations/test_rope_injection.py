@@ -386,6 +386,23 @@ def test_wrapper_hands_standard_calls_to_fused_unchanged():
     assert len(fused.calls) == 3
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_wrapper_runs_the_original_under_torch_compile():
+    """Liger's Triton launch breaks the graph (the first GPU run of tests/integrations/test_compile.py: one break per
+    model); under compile the wrapper leaves the standard expression to the compiler, which fuses it itself."""
+    fused = RecordingFused()
+    wrapper = _wrapper_on_cpu(fused)
+    q, k, cos, sin = rope_inputs(2, 4, 2, 9, 16)
+    explanation = torch._dynamo.explain(wrapper)(q, k, cos, sin)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(wrapper, backend="aot_eager")(q, k, cos, sin)
+    assert not fused.calls
+    for got, want in zip(compiled, hf_rope(q, k, cos, sin)):
+        assert torch.equal(got, want)
+    wrapper(q, k, cos, sin)  # eager: the fused function still takes the call
+    assert len(fused.calls) == 1
+
+
 def test_wrapper_casts_to_the_dtype_hf_computes_in():
     """Autocast: q/k bf16, cos/sin fp32. HF's broadcasting computes and returns fp32; the fused call gets fp32."""
     fused = RecordingFused()
