@@ -369,8 +369,12 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
 
 # The per-expert loop under torch.compile (fp32 and fp16, which torch's grouped GEMM does not trace): one custom op
 # each way that reads the group sizes when it runs. Traced, that read would break the graph at each layer, and the
-# sizes, specialised into the graph as constants, would recompile it at nearly every step.
-@torch.library.custom_op("loongforge::expert_loop_matmul", mutates_args=())
+# sizes, specialised into the graph as constants, would recompile it at nearly every step. The read is a host sync:
+# the ops are marked unsafe for CUDA graphs.
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("loongforge::expert_loop_matmul", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def _expert_loop_op(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     y_PO = x_PI.new_zeros(x_PI.shape[0], w_EOI.shape[1])
     start = 0
@@ -387,7 +391,7 @@ def _(x_PI, w_EOI, tokens_per_expert_E):
     return x_PI.new_empty(x_PI.shape[0], w_EOI.shape[1])
 
 
-@torch.library.custom_op("loongforge::expert_loop_matmul_backward", mutates_args=())
+@torch.library.custom_op("loongforge::expert_loop_matmul_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def _expert_loop_backward_op(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor,
                              tokens_per_expert_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.autocast(x_PI.device.type, enabled=False):

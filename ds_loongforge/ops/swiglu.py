@@ -102,31 +102,39 @@ def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offse
     return out.to(gate_up.dtype)
 
 
-# The kernels as torch.library custom ops for torch.compile (see ops/rmsnorm.py): the seed is an int64 tensor of
-# one element on the CPU, so that a seed drawn inside a compiled graph reaches the kernel without a graph break.
+# The kernels as torch.library custom ops for torch.compile (see ops/rmsnorm.py). A given seed (or p = 0) is a plain
+# int. A seed drawn inside a compiled graph is an int64 tensor of one element on the CPU, read by the kernel when it
+# runs (a read at trace time would break the graph); those ops are marked unsafe for CUDA graphs, whose replay would
+# repeat the recorded seed.
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
 @torch.library.custom_op("loongforge::swiglu_forward", mutates_args=())
-def _forward_op(gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int, stock: bool) -> torch.Tensor:
-    return library_module(_BUILDERS, gate_up.device.type).forward(gate_up, p, int(seed), offset, stock)
+def _forward_op(gate_up: torch.Tensor, p: float, seed: int, offset: int, stock: bool) -> torch.Tensor:
+    return library_module(_BUILDERS, gate_up.device.type).forward(gate_up, p, seed, offset, stock)
 
 
-@_forward_op.register_fake
-def _(gate_up, p, seed, offset, stock):
-    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+@torch.library.custom_op("loongforge::swiglu_forward_drawn_seed", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def _forward_drawn_op(gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int, stock: bool) -> torch.Tensor:
+    return _forward_op(gate_up, p, int(seed), offset, stock)
 
 
 @torch.library.custom_op("loongforge::swiglu_backward", mutates_args=())
-def _backward_op(dout: torch.Tensor, gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int,
+def _backward_op(dout: torch.Tensor, gate_up: torch.Tensor, p: float, seed: int, offset: int,
                  stock: bool) -> torch.Tensor:
-    return library_module(_BUILDERS, gate_up.device.type).backward(dout, gate_up, p, int(seed), offset, stock)
+    return library_module(_BUILDERS, gate_up.device.type).backward(dout, gate_up, p, seed, offset, stock)
 
 
-@_backward_op.register_fake
-def _(dout, gate_up, p, seed, offset, stock):
-    return gate_up.new_empty(gate_up.shape)
+@torch.library.custom_op("loongforge::swiglu_backward_drawn_seed", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def _backward_drawn_op(dout: torch.Tensor, gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int,
+                       stock: bool) -> torch.Tensor:
+    return _backward_op(dout, gate_up, p, int(seed), offset, stock)
 
 
-def _seed_tensor(seed) -> torch.Tensor:
-    return seed if isinstance(seed, torch.Tensor) else torch.full((1,), seed, dtype=torch.int64)
+for _op in (_forward_op, _forward_drawn_op):
+    _op.register_fake(lambda gate_up, *_: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+for _op in (_backward_op, _backward_drawn_op):
+    _op.register_fake(lambda dout, gate_up, *_: gate_up.new_empty(gate_up.shape))
 
 
 class _Library:
@@ -134,11 +142,13 @@ class _Library:
 
     @staticmethod
     def forward(gate_up, p, seed, offset, stock):
-        return _forward_op(gate_up, p, _seed_tensor(seed), offset, stock)
+        op = _forward_drawn_op if isinstance(seed, torch.Tensor) else _forward_op
+        return op(gate_up, p, seed, offset, stock)
 
     @staticmethod
     def backward(dout, gate_up, p, seed, offset, stock):
-        return _backward_op(dout, gate_up, p, _seed_tensor(seed), offset, stock)
+        op = _backward_drawn_op if isinstance(seed, torch.Tensor) else _backward_op
+        return op(dout, gate_up, p, seed, offset, stock)
 
 
 class _FusedSwiGLUFunction(torch.autograd.Function):

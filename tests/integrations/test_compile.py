@@ -71,6 +71,8 @@ def test_every_family_compiles_into_one_graph_with_the_kernels_in_it(family):
         expected += ["loongforge.moe_router_topk_forward", "loongforge.moe_router_topk_backward"]
     missing = [op for op in expected if op not in graph]
     assert not missing, f"{family}: {missing} not in the compiled graph"
+    # no dropout: the seed is a plain int, so the graph holds no CPU tensor that would keep inductor from CUDA graphs
+    assert "swiglu_forward_drawn_seed" not in graph
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -120,6 +122,7 @@ def test_compiled_swiglu_dropout_draws_its_seed_in_the_graph():
 
     explanation = torch._dynamo.explain(f)(gate_up)
     assert explanation.graph_break_count == 0, _breaks(explanation)
+    assert "loongforge.swiglu_forward_drawn_seed" in _graph_text(explanation)
     compiled = torch.compile(f, backend="aot_eager")
     gate, up = gate_up.detach().chunk(2, dim=-1)
     full = torch.nn.functional.silu(gate) * up / (1 - p)
