@@ -67,6 +67,7 @@ class _DeferredLMHead(nn.Linear):
     an empty [..., 0] placeholder instead of computing the logits. Otherwise exactly ``nn.Linear``."""
 
     _loongforge_defer = False
+    _loongforge_hidden = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._loongforge_defer:
@@ -363,7 +364,8 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
     try:
         out = original(**call)
     finally:
-        hidden = head.__dict__.pop("_loongforge_hidden", None)
+        # (read and cleared as attributes: torch 2.11's compiler cannot trace a pop from the module's __dict__)
+        hidden, head._loongforge_hidden = head._loongforge_hidden, None
         head._loongforge_defer = False
     if hidden is None:
         raise RuntimeError(f"[LoongForge] fused linear cross-entropy: {type(model).__name__}.forward did not call "
