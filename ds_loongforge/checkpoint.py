@@ -520,11 +520,11 @@ def _load_zero3_across_mlp_layout(original, engine, load_dir, tag, folder, load_
     saved = SavedZero3(folder)
     user_fn = kwargs["custom_load_fn"]
 
+    own_files = engine._get_all_ckpt_names
+
     def model_files(checkpoints_path, tag):  # DeepSpeedEngine._get_all_ckpt_names, rank 0's where this rank has none
         return (own_files(checkpoints_path, tag) or sorted(glob.glob(engine._get_ckpt_name(
             checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0"))))
-
-    own_files = engine._get_all_ckpt_names
 
     def load_buffers(src, dst):  # DeepSpeed's custom_load_fn(src=the module state, dst=the module)
         if user_fn is not None:

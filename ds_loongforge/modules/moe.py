@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds_loongforge import profiler
-from ds_loongforge.ops._dispatch import check_rounding, refuse_double_backward
+from ds_loongforge.ops._dispatch import CUDAGRAPH_UNSAFE, check_rounding, refuse_double_backward
 from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing,
                                             moe_permute, moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
@@ -371,10 +371,8 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
 # each way that reads the group sizes when it runs. Traced, that read would break the graph at each layer, and the
 # sizes, specialised into the graph as constants, would recompile it at nearly every step. The read is a host sync:
 # the ops are marked unsafe for CUDA graphs.
-_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
-
-@torch.library.custom_op("loongforge::expert_loop_matmul", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("loongforge::expert_loop_matmul", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _expert_loop_op(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     y_PO = x_PI.new_zeros(x_PI.shape[0], w_EOI.shape[1])
     start = 0
@@ -391,7 +389,7 @@ def _(x_PI, w_EOI, tokens_per_expert_E):
     return x_PI.new_empty(x_PI.shape[0], w_EOI.shape[1])
 
 
-@torch.library.custom_op("loongforge::expert_loop_matmul_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("loongforge::expert_loop_matmul_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _expert_loop_backward_op(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor,
                              tokens_per_expert_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.autocast(x_PI.device.type, enabled=False):

@@ -86,6 +86,11 @@ def _loads(op: str, builders: dict, device_type: str, impl: str) -> bool:
     return _load(op, builders, device_type, impl) is not None
 
 
+# for custom ops that read a host value when they run (a CUDA graph's replay would repeat the recorded one or skip
+# the read); torch versions without the tag get none
+CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
 def library_module(builders: dict, device_type: str):
     """The loaded module a custom op's implementation calls at run time (loaded at trace time by kernel_for)."""
     return builders[device_type]().load()

@@ -101,7 +101,7 @@ def _(dout_TH, y_PH, slot_TK, weights_TK):
 @torch.library.custom_op("loongforge::moe_routing_indices", mutates_args=())
 def _routing_indices_op(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                            torch.Tensor]:
-    return tuple(_module(ids_TK).routing_indices(ids_TK, num_experts))
+    return tuple(_module(ids_TK).routing_indices(ids_TK, num_experts))  # (the module's: a list)
 
 
 @_routing_indices_op.register_fake
@@ -155,15 +155,12 @@ class _Library:
     topk_counts = staticmethod(_topk_counts_op)
     router_topk_forward = staticmethod(_router_forward_op)
     router_topk_backward = staticmethod(_router_backward_op)
+    routing_indices = staticmethod(_routing_indices_op)
 
     @staticmethod
     def unpermute_backward(dout_TH, y_PH, slot_TK, weights_TK):
         dy_PH, dweights_TK = _unpermute_backward_op(dout_TH, y_PH, slot_TK, weights_TK)
         return dy_PH, (dweights_TK if y_PH is not None else None)
-
-    @staticmethod
-    def routing_indices(ids_TK, num_experts):
-        return _routing_indices_op(ids_TK, num_experts)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -66,9 +66,7 @@ class _Library:
         y, h, rstd = _forward_op(x, residual, weight, eps, stock)
         return y, (h if residual is not None else None), rstd
 
-    @staticmethod
-    def backward(dy, h, rstd, weight, dresidual, stock):
-        return _backward_op(dy, h, rstd, weight, dresidual, stock)
+    backward = staticmethod(_backward_op)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

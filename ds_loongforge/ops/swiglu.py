@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from ds_loongforge.op_builder import FusedSwiGLUBuilder, FusedSwiGLUCPUBuilder
-from ds_loongforge.ops._dispatch import (as_rows, check_rounding, check_rows_input, kernel_for, library_module,
-                                         refuse_double_backward)
+from ds_loongforge.ops._dispatch import (CUDAGRAPH_UNSAFE, as_rows, check_rounding, check_rows_input, kernel_for,
+                                         library_module, refuse_double_backward)
 
 _BUILDERS = {"cuda": FusedSwiGLUBuilder, "cpu": FusedSwiGLUCPUBuilder}
 _MASK32 = 0xFFFFFFFF
@@ -106,15 +106,12 @@ def swiglu_reference(gate_up: torch.Tensor, p: float = 0.0, seed: int = 0, offse
 # int. A seed drawn inside a compiled graph is an int64 tensor of one element on the CPU, read by the kernel when it
 # runs (a read at trace time would break the graph); those ops are marked unsafe for CUDA graphs, whose replay would
 # repeat the recorded seed.
-_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-
-
 @torch.library.custom_op("loongforge::swiglu_forward", mutates_args=())
 def _forward_op(gate_up: torch.Tensor, p: float, seed: int, offset: int, stock: bool) -> torch.Tensor:
     return library_module(_BUILDERS, gate_up.device.type).forward(gate_up, p, seed, offset, stock)
 
 
-@torch.library.custom_op("loongforge::swiglu_forward_drawn_seed", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("loongforge::swiglu_forward_drawn_seed", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _forward_drawn_op(gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int, stock: bool) -> torch.Tensor:
     return _forward_op(gate_up, p, int(seed), offset, stock)
 
@@ -125,7 +122,7 @@ def _backward_op(dout: torch.Tensor, gate_up: torch.Tensor, p: float, seed: int,
     return library_module(_BUILDERS, gate_up.device.type).backward(dout, gate_up, p, seed, offset, stock)
 
 
-@torch.library.custom_op("loongforge::swiglu_backward_drawn_seed", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("loongforge::swiglu_backward_drawn_seed", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _backward_drawn_op(dout: torch.Tensor, gate_up: torch.Tensor, p: float, seed: torch.Tensor, offset: int,
                        stock: bool) -> torch.Tensor:
     return _backward_op(dout, gate_up, p, int(seed), offset, stock)
