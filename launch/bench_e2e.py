@@ -23,7 +23,9 @@ stock tokens/s; peak memory no higher than the lowest stock peak; with text data
 DeepSpeed's. With text data a fourth variant, loongforge-stock-order, runs LoongForge without the expert-aware
 sampler: on stock's batches in stock's order, so its loss differs from stock's only by the numerics (the sampler's
 order alone moves the eval loss after 100 steps by more than 0.3%); the report also gives the two stock variants'
-eval-loss spread (the same math on the same batches), the resolution of this check in that run. Writes
+eval-loss spread (the same math on the same batches), the resolution of this check in that run. Two more variants
+run only when named: stock-compiled and loongforge-compiled (train.py ``--compile``: ``engine.compile()`` with
+inductor); stock-compiled counts as a stock baseline. Writes
 ``bench_e2e_<shape>[_<data>]_<commit>.{json,md,png}`` under ``--out`` and prints the table.
 
 Shapes: mixtral = MixtralForCausalLM, 8 layers, hidden 2048, intermediate 4096, 8 experts top-2, 16 heads / 8 kv
@@ -91,13 +93,20 @@ VARIANTS = {
     # the loss check on the same batches in the same order as stock: the expert-aware sampler reorders the data,
     # which moves the eval loss after 100 steps by more than the 0.3% target on its own
     "loongforge-stock-order": ["--use-loongforge", "--no-expert-aware-sampler"],
+    # engine.compile() (inductor) on each side: run only when named, since the first compiled step and the eval's
+    # recompile take a minute or more each
+    "stock-compiled": ["--no-loongforge", "--compile"],
+    "loongforge-compiled": ["--use-loongforge", "--compile"],
 }
-STOCK_VARIANTS = ("stock", "autoep")
+OPT_IN_VARIANTS = ("stock-compiled", "loongforge-compiled")
+STOCK_VARIANTS = ("stock", "autoep", "stock-compiled")
 DESCRIPTIONS = {
     "stock": "DeepSpeed + transformers' default experts",
     "autoep": "DeepSpeed AutoEP (preset mixtral, autoep_size 1)",
     "loongforge": "LoongForge (injected modules, FusedAdamWClip)",
     "loongforge-stock-order": "LoongForge without the expert-aware sampler (stock data order)",
+    "stock-compiled": "stock, engine.compile() with inductor",
+    "loongforge-compiled": "LoongForge, engine.compile() with inductor",
 }
 
 
@@ -469,7 +478,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on a GPU, do not compile LoongForge's CUDA ops in parallel before the variants run")
     args = p.parse_args(argv)
     if args.variants is None:
-        args.variants = ",".join(v for v in VARIANTS if args.data == "text" or v != "loongforge-stock-order")
+        args.variants = ",".join(v for v in VARIANTS if v not in OPT_IN_VARIANTS
+                                 and (args.data == "text" or v != "loongforge-stock-order"))
     args.variant_names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variant_names if v not in VARIANTS]
     if unknown or not args.variant_names:

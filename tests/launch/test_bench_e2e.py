@@ -200,3 +200,8 @@ def test_bench_e2e_config_and_arguments():
     assert args.variant_names == ["stock", "autoep", "loongforge", "loongforge-stock-order"] and args.steps == 100
     args = bench_e2e.parse_args(["--shape", "finegrained", "--data", "random"])
     assert args.variant_names == ["stock", "autoep", "loongforge"]
+    # the compiled variants run only when named, and compiled stock is a baseline like the other stock variants
+    args = bench_e2e.parse_args(["--shape", "mixtral", "--variants", "stock-compiled,loongforge-compiled"])
+    assert args.variant_names == ["stock-compiled", "loongforge-compiled"]
+    assert bench_e2e.VARIANTS["loongforge-compiled"][-1] == "--compile"
+    assert "stock-compiled" in bench_e2e.STOCK_VARIANTS and "loongforge-compiled" not in bench_e2e.STOCK_VARIANTS
