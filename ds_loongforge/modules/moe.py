@@ -565,7 +565,6 @@ class ExpertMaskedMoE(nn.Module):
                              persistent=False)
         self.split_sync_seconds = 0.0  # host time spent waiting for the split sizes (expert-parallel only)
         self._ep_calls = 0  # exchanges this layer started: every rank of the group must be at the same one
-        self._buffer_fill = 0.0
         for message in routing_health(num_experts, top_k):
             if (num_experts, top_k, message) not in _HEALTH_WARNED:
                 _HEALTH_WARNED.add((num_experts, top_k, message))
@@ -610,10 +609,11 @@ class ExpertMaskedMoE(nn.Module):
 
         if self.ep_size == 1:
             y_PH = self._experts(x_PH, tokens_per_expert_E, offsets_E=offsets_E)
+            self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k)
         elif self.ep_group is None:
             raise RuntimeError(f"ExpertMaskedMoE: ep_size={self.ep_size} but no expert-parallel group is bound; "
                                "pass ep_group, or use moe_deepspeed.DeepSpeedExpertMaskedMoE")
-        else:
+        else:  # sets last_routing itself: the receive buffer's fill is host state that a compiled graph leaves out
             y_PH = self._experts_parallel(x_PH, tokens_per_expert_E)
         if weights_TK.dtype not in (torch.float32, y_PH.dtype):
             # 16-bit weights beside outputs of another dtype (a family's router under torch.autocast): fp32 holds
@@ -624,8 +624,6 @@ class ExpertMaskedMoE(nn.Module):
                                residual_TH=None if residual is None else residual.reshape(-1, self.hidden_size),
                                rounding=self.rounding)
 
-        self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k,
-                                         self._buffer_fill if self.ep_size > 1 else None)
         if self.training:
             self.aux_loss = self._aux_loss(logits_TE, probs_TE, tokens_per_expert_E, num_tokens)
         return out_TH.view(shape)
@@ -684,8 +682,13 @@ class ExpertMaskedMoE(nn.Module):
             return ids_P
         return self._chunk_of_local_L[ids_P % self.num_local_experts] * self.num_experts + ids_P
 
+    # Under torch.compile this runs eagerly, between two graphs: the split sizes are host integers the exchange
+    # needs anyway (a graph break), and the host state it keeps (the call tag, the receive buffer's steps and
+    # capacity) would otherwise be guarded on and recompile the layer at every call until dynamo gives up
+    @torch.compiler.disable
     def _experts_parallel(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """Send each pair to the rank owning its expert, run the local experts, send the results back.
+        """Send each pair to the rank owning its expert, run the local experts, send the results back; sets
+        last_routing (with the receive buffer's fill).
 
         R = ep_size ranks, L = local experts per rank, C = len(chunk_bounds) groups of local experts.
         Rows of x_PH are in _dispatch_key order (chunk-major). All C dispatch exchanges are launched at
@@ -725,7 +728,8 @@ class ExpertMaskedMoE(nn.Module):
         pairs = x_PH.shape[0]
         received = sum(map(sum, recv_splits))
         buffer = self.receive_buffer.take(received, pairs, ep, x_PH)
-        self._buffer_fill = received / max(1, self.receive_buffer.capacity)
+        self.last_routing = RoutingStats(tokens_per_expert_E.detach(), pairs // self.top_k, self.top_k,
+                                         received / max(1, self.receive_buffer.capacity))
         dispatched, s_off, r_off = [], 0, 0
         for c in range(len(bounds)):
             n_send, n_recv = sum(send_splits[c]), sum(recv_splits[c])

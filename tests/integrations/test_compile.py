@@ -169,20 +169,35 @@ def _expert_parallel_worker(rank, world, port, out_dir):
         for name, layer in (("eager", moe), ("compiled", compiled), ("compiled again", compiled)):
             y = layer(x)
             results[name] = [y.detach()] + list(torch.autograd.grad(y.float().square().sum(), params))
+        # later steps route other tokens (other split sizes, other receive-buffer states, the next call tag):
+        # none of that may recompile the layer (it did at every call, until dynamo's recompile limit)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for step in range(4):
+                x_step = torch.randn(10 + 7 * rank, 16, dtype=torch.bfloat16, requires_grad=True)
+                y = compiled(x_step)
+                grads = torch.autograd.grad(y.float().square().sum(), [x_step] + list(moe.parameters()))
+                y_eager = moe(x_step)
+                eager_grads = torch.autograd.grad(y_eager.float().square().sum(), [x_step] + list(moe.parameters()))
+                results[f"step {step}"] = (torch.equal(y, y_eager)
+                                           and all(torch.equal(g, e) for g, e in zip(grads, eager_grads)))
+        results["fill"] = moe.last_routing.buffer_fill
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_compiled_expert_parallel_layer_equals_eager(tmp_path):
-    """ep_size 2 on two gloo ranks: the all-to-all's split sizes still break the graph (they are host values), and
-    the compiled layer's outputs and every gradient are the eager layer's bits."""
+    """ep_size 2 on two gloo ranks: the exchange runs eagerly between two graphs (its split sizes are host values),
+    the compiled layer's outputs and every gradient are the eager layer's bits, and steps that route differently
+    do not recompile."""
     spawn_with_deadline(_expert_parallel_worker, 2, str(tmp_path))
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for name in ("compiled", "compiled again"):
             for got, want in zip(results[name], results["eager"]):
                 assert torch.equal(got, want), (rank, name)
+        assert all(results[f"step {step}"] for step in range(4)), (rank, results)
+        assert 0 < results["fill"] <= 1, results["fill"]  # the routing statistics still see the receive buffer
 
 
 @pytest.mark.gpu
