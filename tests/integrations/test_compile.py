@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from ds_loongforge.integrations import compile_mask
 from ds_loongforge.integrations.inject import inject
 from ds_loongforge.ops.swiglu import swiglu_dropout, swiglu_reference
 from tests._dist import spawn_with_deadline
@@ -51,6 +52,25 @@ def _breaks(explanation) -> list[str]:
 
 def _graph_text(explanation) -> str:
     return "\n".join(g.print_readable(print_output=False) for g in explanation.graphs)
+
+
+def _sdpa_calls(model, ids) -> list[dict]:
+    """The SDPA calls of the compiled training forward (dynamo's graphs): is_causal, whether a mask is passed,
+    enable_gqa."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product_attention" in str(node.target):
+                calls.append({"is_causal": node.kwargs.get("is_causal", False),
+                              "mask": node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                              is not None, "enable_gqa": node.kwargs.get("enable_gqa", False)})
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    return calls
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes on the lru_cache it traces through
@@ -149,6 +169,69 @@ def test_compiled_swiglu_dropout_draws_its_seed_in_the_graph():
     torch.testing.assert_close(seeded, reference)
 
 
+@pytest.fixture
+def torch_before_2_14(monkeypatch):
+    """transformers' is_torchdynamo_exporting as torch < 2.14 runs it: True inside every compiled graph, where
+    dynamo traced torch.compiler.is_exporting() as the constant True (pytorch#176499); the eager answer. Takes back
+    the process-wide mask patch afterwards."""
+    import transformers.masking_utils as masking_utils
+
+    def is_torchdynamo_exporting():
+        return torch.compiler.is_compiling()
+
+    is_torchdynamo_exporting.__module__ = "transformers.utils.import_utils"
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", is_torchdynamo_exporting)
+    monkeypatch.setattr(compile_mask, "TORCH_MISREPORTS_EXPORTING", True)
+    yield
+    compile_mask.restore()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiled_attention_keeps_sdpas_causal_kernels_where_torch_misreports_exporting(torch_before_2_14):
+    """transformers skips the causal mask unless it is exporting; with torch < 2.14 a compiled graph always looked
+    like an export, so it built the mask, repeated K/V and ran SDPA with the mask (13.2 against 4.7 ms of attention
+    in the e2e mixtral step on an H100, torch 2.11). The injected model's compiled forward runs SDPA as eager does."""
+    stock = build("mixtral")
+    ids = token_ids(stock, (2, 12))
+    stock_calls = _sdpa_calls(stock, ids)
+    assert stock_calls and all(c["mask"] and not c["is_causal"] for c in stock_calls), stock_calls  # the bug, shown
+    model = copy.deepcopy(stock)
+    report = inject(model, NO_QKV)
+    assert report.patched_functions.get(compile_mask.KIND) == ["masking_utils.is_torchdynamo_exporting"]
+    calls = _sdpa_calls(model, ids)
+    assert len(calls) == len(stock_calls)
+    assert all(c["is_causal"] and not c["mask"] and c["enable_gqa"] for c in calls), calls  # 4 heads, 2 K/V heads
+    # the compiled step is still eager's, bit for bit (aot_eager)
+    loss, grads = _step(model, ids)
+    compiled_loss, compiled_grads = _step(model, ids, torch.compile(model, backend="aot_eager"))
+    torch._dynamo.reset()
+    assert torch.equal(compiled_loss, loss)
+    assert all(torch.equal(compiled_grads[name], grad) for name, grad in grads.items())
+    # eager answers as before; while torch.export traces, the replacement still says so (the mask is built there)
+    import transformers.masking_utils as masking_utils
+
+    assert masking_utils.is_torchdynamo_exporting() is False
+    from torch._export.utils import _compiling_state_context
+
+    with _compiling_state_context():
+        assert masking_utils.is_torchdynamo_exporting() is True
+    assert compile_mask.restore() == ["transformers.masking_utils.is_torchdynamo_exporting"]
+    assert _sdpa_calls(model, ids) == stock_calls  # restored: the mask again
+
+
+def test_compile_mask_patch_is_only_where_torch_misreports_exporting(monkeypatch):
+    """torch >= 2.14 (CI's) answers correctly: inject leaves transformers' function alone. A function that is not
+    transformers' own is left alone with the reason."""
+    import transformers.masking_utils as masking_utils
+
+    monkeypatch.setattr(compile_mask, "TORCH_MISREPORTS_EXPORTING", False)
+    _, model, _ = _models("llama", torch.float32)
+    assert compile_mask.KIND not in inject(model, ENABLED).patched_functions
+    assert masking_utils.is_torchdynamo_exporting.__module__ == "transformers.utils.import_utils"
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: False)
+    assert "it is tests.integrations.test_compile" in compile_mask.patch()
+
+
 def _expert_parallel_worker(rank, world, port, out_dir):
     import warnings
 
@@ -211,6 +294,9 @@ def test_gpu_compiled_training_step(family):
     explanation = torch._dynamo.explain(lambda i: _loss(model, i))(ids)
     assert explanation.graph_break_count == 0, _breaks(explanation)
     assert "loongforge.rmsnorm_forward" in _graph_text(explanation)
+    # SDPA's causal kernels, no mask, K/V not repeated (on torch < 2.14 through compile_mask's patch)
+    calls = _sdpa_calls(model, ids)
+    assert calls and all(c["is_causal"] and not c["mask"] for c in calls), calls
     loss, grads = _step(model, ids)
     torch._dynamo.reset()
     compiled_loss, compiled_grads = _step(model, ids, torch.compile(model, backend="aot_eager"))
