@@ -1,77 +1,86 @@
-"""The causal-mask skip of transformers' SDPA attention under torch.compile on torch < 2.14.
+"""The causal-mask skip of transformers' SDPA attention, kept under torch.compile.
 
-A causal LM's forward builds its attention mask in ``transformers.masking_utils``. With no padding and no cache
-offset it skips the mask (``_ignore_causal_mask_sdpa``): SDPA then runs with ``is_causal=True`` on the flash / cuDNN
-causal kernels, and with ``enable_gqa`` instead of K/V repeated per query head. transformers refuses the skip while
-exporting, asking ``is_torchdynamo_exporting()``, that is ``torch.compiler.is_exporting()``. Until pytorch#176499
-(torch 2.14), dynamo traced that call as the constant True under torch.compile too. So every compiled forward built
-the [B, 1, S, S] mask, repeated K and V, and ran SDPA with a mask over the full S x S product. On an H100 (torch 2.11)
-the attention of the compiled mixtral e2e step took 13.2 ms of device time, against eager's 4.7 ms (e433161).
-Stock transformers pays the same under compile with those torch versions.
+A causal LM's forward builds its attention mask in ``transformers.masking_utils``. When nothing needs a mask (no
+padding mask, as many queries as keys, no sliding window reached), ``_ignore_causal_mask_sdpa`` says so. SDPA then
+runs with ``is_causal=True``: the flash / cuDNN causal kernels, and ``enable_gqa`` instead of K and V repeated per
+query head. Under torch.compile transformers refuses that skip, because it cannot tell compile from export:
+* transformers <= 5.17 refuses whenever dynamo traces (``is_tracing``);
+* 5.25 asks ``torch.compiler.is_exporting()``, which dynamo traced as the constant True before pytorch#176499
+  (torch 2.14).
 
-The replacement returns ``torch.compiler._is_exporting_flag``: the flag that torch.export sets, that
-``is_exporting()`` returns in eager, and that torch 2.14's dynamo reads. So eager gets the same answer as before,
-and under dynamo the answer is True only while exporting. The mask's values are unchanged wherever transformers
-still builds one; where it skips, ``is_causal=True`` is the same causal attention that eager runs.
+So a compiled forward built the [B, 1, S, S] mask, repeated K and V, and ran SDPA with the mask over the full
+S x S product. On an H100 (torch 2.11, transformers 5.17), the attention of the compiled mixtral e2e step took
+13.2 ms of device time, against eager's 4.7 ms (e433161). Stock transformers pays the same under compile.
 
-The patch is process-wide: every model in the process gets it, as with the other function patches
-(``ds_loongforge.integrations._patching``). ``restore()`` takes it back. It is installed only where the bug is
-(``TORCH_MISREPORTS_EXPORTING``).
+The replacement answers True in exactly that case: compiling but not exporting (``torch.compiler._is_exporting_flag``,
+the flag torch.export sets, still False), no padding mask, more than one query, as many keys as queries, a plain
+int offset, no sliding window reached. That is eager's answer there, and it is reached without reading a tensor's
+values. Every other call, and every eager call, goes to transformers' function. The compiled graph then computes
+the causal attention that eager computes.
+
+The patch is process-wide, as the other function patches are (``ds_loongforge.integrations._patching``): every
+model in the process gets it. ``restore()`` takes it back.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
-from packaging.version import Version
 
 from ds_loongforge.integrations import _patching
 
 MODULE = "transformers.masking_utils"
-FUNCTION = "is_torchdynamo_exporting"
+FUNCTION = "_ignore_causal_mask_sdpa"
 KIND = "causal-mask skip under torch.compile"
-# torch.compiler.is_exporting() is the constant True inside torch.compile before pytorch#176499
-TORCH_MISREPORTS_EXPORTING = Version(Version(torch.__version__).base_version) < Version("2.14")
+_PARAMETERS = ["padding_mask", "q_length", "kv_length", "q_offset", "kv_offset", "local_attention_size"]
 
-_patches = _patching.ModulePatches("transformers is_torchdynamo_exporting")
+_patches = _patching.ModulePatches("transformers _ignore_causal_mask_sdpa")
 
 
 def standard_problem(current: Callable) -> str | None:
-    """Why ``current`` is not transformers' ``is_torchdynamo_exporting`` over ``torch.compiler.is_exporting``
-    (None when it is)."""
+    """Why ``current`` is not transformers' ``_ignore_causal_mask_sdpa`` as this replacement knows it (None when
+    it is): its parameters, and eager's answer for a plain causal mask."""
     if not hasattr(torch.compiler, "_is_exporting_flag"):
         return "torch.compiler has no _is_exporting_flag (the flag torch.export sets)"
-    if getattr(current, "__module__", None) != "transformers.utils.import_utils":
-        return f"it is {getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', current)!s}"
-    if current() is not bool(torch.compiler._is_exporting_flag):
-        return "it does not return torch.compiler.is_exporting()"
+    try:
+        names = list(inspect.signature(current).parameters)
+    except (TypeError, ValueError):
+        names = None
+    if names != _PARAMETERS:
+        return f"its parameters are {names}, not {_PARAMETERS}"
+    if current(None, 8, 8, 0, 0, None) is not True:
+        return "it does not skip a plain causal mask in eager (no padding, 8 queries and 8 keys)"
     return None
 
 
-def is_torchdynamo_exporting() -> bool:
-    """True while torch.export traces (the flag it sets), under torch.compile too; transformers' own function
-    answers True in every torch.compile graph before torch 2.14."""
-    return bool(torch.compiler._is_exporting_flag)
+def plain_causal(padding_mask, q_length, kv_length, q_offset, local_attention_size) -> bool:
+    """No padding mask, more than one query, as many keys as queries (no cache before them), no sliding window
+    reached: ``is_causal=True`` is the whole mask."""
+    return (padding_mask is None and not isinstance(q_offset, torch.Tensor) and q_length > 1
+            and kv_length == q_length and (local_attention_size is None or kv_length < local_attention_size))
 
 
 def patch() -> str | None:
-    """Install :func:`is_torchdynamo_exporting` as ``transformers.masking_utils.is_torchdynamo_exporting``; None
-    when done (or already done), else why it was left alone."""
-    return _patches.patch(MODULE, FUNCTION, standard_problem, lambda current: _installed())
+    """Install the replacement as ``transformers.masking_utils._ignore_causal_mask_sdpa``; None when done (or
+    already done), else why it was left alone."""
+    return _patches.patch(MODULE, FUNCTION, standard_problem, _installed)
 
 
-def _installed() -> Callable:
-    def replacement() -> bool:
-        return is_torchdynamo_exporting()
+def _installed(original: Callable) -> Callable:
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if (torch.compiler.is_compiling() and not torch.compiler._is_exporting_flag
+                and plain_causal(padding_mask, q_length, kv_length, q_offset, local_attention_size)):
+            return True
+        return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
 
-    replacement.__name__ = replacement.__qualname__ = FUNCTION
-    replacement.__doc__ = is_torchdynamo_exporting.__doc__
-    return replacement
+    _ignore_causal_mask_sdpa.__doc__ = original.__doc__
+    return _ignore_causal_mask_sdpa
 
 
 def patched() -> list[str]:
-    """``masking_utils.is_torchdynamo_exporting`` when the replacement is installed and still in place."""
+    """``transformers.masking_utils._ignore_causal_mask_sdpa`` when the replacement is installed and in place."""
     return _patches.patched()
 
 

@@ -34,9 +34,10 @@ With ``fused_kernels.linear_cross_entropy`` the causal LM's training loss is com
 cross-entropy (``ds_loongforge.integrations.fused_loss``): a training forward with labels returns the same loss
 with ``logits=None``; the LM head keeps its Parameter and state-dict key.
 
-On torch < 2.14, where torch.compile tells transformers' masking code that it is exporting, the SDPA causal-mask
-skip is restored under compile (``ds_loongforge.integrations.compile_mask``; process-wide, like the RoPE patch):
-a compiled forward then runs SDPA's causal kernels with no mask, as eager does.
+transformers refuses its SDPA causal-mask skip under torch.compile (it cannot tell compile from export there). For a
+transformers model, the skip is kept where eager takes it without reading a tensor (``ds_loongforge.integrations.
+compile_mask``; process-wide, like the RoPE patch). A compiled forward then runs SDPA's causal kernels with no
+mask, as eager does.
 
 Nothing is replaced unless the config's ``enabled`` is true. Modules that look like these kinds but that no
 preset covers, or that a preset cannot convert, are listed in the report with the reason.
@@ -288,11 +289,11 @@ def _patch_balancing(model: nn.Module, config: LoongForgeConfig, report: Injecti
 
 
 def _patch_compile_mask(model: nn.Module, report: InjectionReport) -> None:
-    """On torch < 2.14, where torch.compile tells transformers' masking code that it exports: the SDPA causal-mask
-    skip back under compile (``ds_loongforge.integrations.compile_mask``), for transformers models."""
+    """For transformers models: the SDPA causal-mask skip kept under torch.compile, where transformers refuses it
+    (``ds_loongforge.integrations.compile_mask``)."""
     from ds_loongforge.integrations import compile_mask
 
-    if not compile_mask.TORCH_MISREPORTS_EXPORTING or not type(model).__module__.startswith("transformers."):
+    if not type(model).__module__.startswith("transformers."):
         return
     name = f"masking_utils.{compile_mask.FUNCTION}"
     reason = compile_mask.patch()

@@ -170,66 +170,87 @@ def test_compiled_swiglu_dropout_draws_its_seed_in_the_graph():
 
 
 @pytest.fixture
-def torch_before_2_14(monkeypatch):
-    """transformers' is_torchdynamo_exporting as torch < 2.14 runs it: True inside every compiled graph, where
-    dynamo traced torch.compiler.is_exporting() as the constant True (pytorch#176499); the eager answer. Takes back
-    the process-wide mask patch afterwards."""
+def refused_under_compile(monkeypatch):
+    """transformers' causal-mask skip refused in every compiled graph, as transformers 5.17 refuses it (is_tracing)
+    and 5.25 does on torch < 2.14 (dynamo traced torch.compiler.is_exporting() as True, pytorch#176499); eager
+    unchanged. Without the process-wide patch (an earlier inject installed it) until the test injects."""
     import transformers.masking_utils as masking_utils
 
-    def is_torchdynamo_exporting():
-        return torch.compiler.is_compiling()
+    compile_mask.restore()
 
-    is_torchdynamo_exporting.__module__ = "transformers.utils.import_utils"
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", is_torchdynamo_exporting)
-    monkeypatch.setattr(compile_mask, "TORCH_MISREPORTS_EXPORTING", True)
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: torch.compiler.is_compiling())
     yield
     compile_mask.restore()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_compiled_attention_keeps_sdpas_causal_kernels_where_torch_misreports_exporting(torch_before_2_14):
-    """transformers skips the causal mask unless it is exporting; with torch < 2.14 a compiled graph always looked
-    like an export, so it built the mask, repeated K/V and ran SDPA with the mask (13.2 against 4.7 ms of attention
-    in the e2e mixtral step on an H100, torch 2.11). The injected model's compiled forward runs SDPA as eager does."""
+def test_compiled_attention_keeps_sdpas_causal_kernels(refused_under_compile):
+    """With the skip refused, a compiled forward built the mask, repeated K/V and ran SDPA with the mask (13.2
+    against 4.7 ms of attention in the e2e mixtral step on an H100, torch 2.11, transformers 5.17). The injected
+    model's compiled forward runs SDPA as eager does, and the step is eager's bit for bit."""
+    import transformers.masking_utils as masking_utils
+
     stock = build("mixtral")
     ids = token_ids(stock, (2, 12))
     stock_calls = _sdpa_calls(stock, ids)
-    assert stock_calls and all(c["mask"] and not c["is_causal"] for c in stock_calls), stock_calls  # the bug, shown
+    assert stock_calls and all(c["mask"] and not c["is_causal"] for c in stock_calls), stock_calls  # the refusal
     model = copy.deepcopy(stock)
     report = inject(model, NO_QKV)
-    assert report.patched_functions.get(compile_mask.KIND) == ["masking_utils.is_torchdynamo_exporting"]
+    assert report.patched_functions.get(compile_mask.KIND) == ["masking_utils._ignore_causal_mask_sdpa"]
     calls = _sdpa_calls(model, ids)
     assert len(calls) == len(stock_calls)
     assert all(c["is_causal"] and not c["mask"] and c["enable_gqa"] for c in calls), calls  # 4 heads, 2 K/V heads
-    # the compiled step is still eager's, bit for bit (aot_eager)
     loss, grads = _step(model, ids)
     compiled_loss, compiled_grads = _step(model, ids, torch.compile(model, backend="aot_eager"))
     torch._dynamo.reset()
     assert torch.equal(compiled_loss, loss)
     assert all(torch.equal(compiled_grads[name], grad) for name, grad in grads.items())
-    # eager answers as before; while torch.export traces, the replacement still says so (the mask is built there)
-    import transformers.masking_utils as masking_utils
+    # a padding mask (here: one padded position) still gets transformers' mask under compile
+    padded = torch.ones_like(ids)
+    padded[0, 0] = 0
 
-    assert masking_utils.is_torchdynamo_exporting() is False
+    def padded_calls():
+        found = []
+
+        def backend(gm, example_inputs):
+            found.extend(n for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend)(input_ids=ids, attention_mask=padded)
+        torch._dynamo.reset()
+        return [n.kwargs.get("attn_mask") is not None for n in found]
+
+    assert padded_calls() == [True] * len(calls)
+    # eager and export still ask transformers: the function's own answers
+    skip = masking_utils._ignore_causal_mask_sdpa
+    assert skip(None, 12, 12, 0, 0, None) is True
+    assert not skip(torch.tensor([[False] + [True] * 11]), 12, 12, 0, 0, None)  # padding: a mask
     from torch._export.utils import _compiling_state_context
 
-    with _compiling_state_context():
-        assert masking_utils.is_torchdynamo_exporting() is True
-    assert compile_mask.restore() == ["transformers.masking_utils.is_torchdynamo_exporting"]
+    with _compiling_state_context():  # what torch.export sets while it traces
+        compiled = torch.compile(lambda x: x + 1 if skip(None, 12, 12, 0, 0, None) else x, backend="eager",
+                                 fullgraph=True)
+        assert compiled(torch.zeros(())).item() == 0  # transformers' answer while exporting: build the mask
+    torch._dynamo.reset()
+    assert compile_mask.restore() == ["transformers.masking_utils._ignore_causal_mask_sdpa"]
     assert _sdpa_calls(model, ids) == stock_calls  # restored: the mask again
 
 
-def test_compile_mask_patch_is_only_where_torch_misreports_exporting(monkeypatch):
-    """torch >= 2.14 (CI's) answers correctly: inject leaves transformers' function alone. A function that is not
-    transformers' own is left alone with the reason."""
+def test_compile_mask_patch_checks_what_it_replaces(monkeypatch):
+    """A function with other parameters, or one that does not skip a plain causal mask in eager, is left alone with
+    the reason."""
     import transformers.masking_utils as masking_utils
 
-    monkeypatch.setattr(compile_mask, "TORCH_MISREPORTS_EXPORTING", False)
-    _, model, _ = _models("llama", torch.float32)
-    assert compile_mask.KIND not in inject(model, ENABLED).patched_functions
-    assert masking_utils.is_torchdynamo_exporting.__module__ == "transformers.utils.import_utils"
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: False)
-    assert "it is tests.integrations.test_compile" in compile_mask.patch()
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda padding_mask, q_length: True)
+    assert "its parameters are ['padding_mask', 'q_length']" in compile_mask.patch()
+
+    def never(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        return False
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", never)
+    assert "does not skip a plain causal mask" in compile_mask.patch()
+    assert masking_utils._ignore_causal_mask_sdpa is never
 
 
 def _expert_parallel_worker(rank, world, port, out_dir):
