@@ -54,9 +54,9 @@ def _graph_text(explanation) -> str:
     return "\n".join(g.print_readable(print_output=False) for g in explanation.graphs)
 
 
-def _sdpa_calls(model, ids) -> list[dict]:
-    """The SDPA calls of the compiled training forward (dynamo's graphs): is_causal, whether a mask is passed,
-    enable_gqa."""
+def _sdpa_calls(model, ids, **inputs) -> list[dict]:
+    """The SDPA calls of the compiled forward (dynamo's graphs; a training forward unless ``inputs`` are given):
+    is_causal, whether a mask is passed, enable_gqa."""
     calls = []
 
     def backend(gm, example_inputs):
@@ -68,7 +68,7 @@ def _sdpa_calls(model, ids) -> list[dict]:
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+    torch.compile(model, backend=backend)(input_ids=ids, **(inputs or {"labels": ids}))
     torch._dynamo.reset()
     return calls
 
@@ -197,6 +197,7 @@ def test_compiled_attention_keeps_sdpas_causal_kernels(refused_under_compile):
     model = copy.deepcopy(stock)
     report = inject(model, NO_QKV)
     assert report.patched_functions.get(compile_mask.KIND) == ["masking_utils._ignore_causal_mask_sdpa"]
+    assert compile_mask.patched() == ["transformers.masking_utils._ignore_causal_mask_sdpa"]
     calls = _sdpa_calls(model, ids)
     assert len(calls) == len(stock_calls)
     assert all(c["is_causal"] and not c["mask"] and c["enable_gqa"] for c in calls), calls  # 4 heads, 2 K/V heads
@@ -208,20 +209,7 @@ def test_compiled_attention_keeps_sdpas_causal_kernels(refused_under_compile):
     # a padding mask (here: one padded position) still gets transformers' mask under compile
     padded = torch.ones_like(ids)
     padded[0, 0] = 0
-
-    def padded_calls():
-        found = []
-
-        def backend(gm, example_inputs):
-            found.extend(n for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target))
-            return gm.forward
-
-        torch._dynamo.reset()
-        torch.compile(model, backend=backend)(input_ids=ids, attention_mask=padded)
-        torch._dynamo.reset()
-        return [n.kwargs.get("attn_mask") is not None for n in found]
-
-    assert padded_calls() == [True] * len(calls)
+    assert [c["mask"] for c in _sdpa_calls(model, ids, attention_mask=padded)] == [True] * len(calls)
     # eager and export still ask transformers: the function's own answers
     skip = masking_utils._ignore_causal_mask_sdpa
     assert skip(None, 12, 12, 0, 0, None) is True
