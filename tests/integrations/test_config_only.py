@@ -107,6 +107,15 @@ report(engine.module, trainer.optimizer, engine)
 leave()
 """
 
+# the HF Trainer with its torch_compile argument (argv[3] == "1"): the engine compiles the injected model
+TRAINER_COMPILE_SCRIPT = TRAINER_RUN.replace(
+    "SAVE_ARGS", 'save_strategy="no", logging_steps=1, torch_compile=sys.argv[3] == "1"') + """
+print("TRAINED " + json.dumps({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                               "compiled": bool(getattr(engine, "is_compiled", False))}))
+report(engine.module, trainer.optimizer, engine)
+leave()
+"""
+
 # the HF Trainer on 2 ranks with expert parallelism, saving a checkpoint; each rank also saves DeepSpeed's own
 # assembly of its fp32 masters, which the exported checkpoint must equal
 TRAINER_EP_SCRIPT = TRAINER_RUN.replace("SAVE_ARGS", 'save_strategy="steps", save_steps=2') + """
@@ -442,6 +451,23 @@ def test_hf_trainer_with_deepspeed_config(tmp_path, accelerate_installed):
     assert "[LoongForge] client optimizer: 6 parameters remapped" in output
     assert result["optimizer_params_in_model"]
     assert result["timer_synchronized"] is False
+
+
+def test_hf_trainer_torch_compile_trains_the_injected_model_as_eager(tmp_path, accelerate_installed):
+    """``TrainingArguments(torch_compile=True)`` with the block: the Trainer has DeepSpeed compile the engine, which
+    then runs the injected modules (custom ops under compile), and the two steps' losses are the eager run's."""
+    runs = {}
+    for flag in ("0", "1"):
+        (tmp_path / flag).mkdir()
+        output = _run_script(tmp_path / flag, TRAINER_COMPILE_SCRIPT, {**HF_BASE, **ENABLED}, str(tmp_path / "out"),
+                             flag)
+        runs[flag] = _tagged(output, "TRAINED")
+        types = set(_result(output)["types"])
+        assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
+    assert runs["1"]["compiled"] and not runs["0"]["compiled"], runs
+    compiled, eager = runs["1"]["losses"], runs["0"]["losses"]
+    assert len(compiled) == len(eager) == 2
+    assert all(abs(c - e) <= 1e-4 * abs(e) for c, e in zip(compiled, eager)), runs
 
 
 def test_hf_trainer_takes_fused_adamw_clip_from_the_block_alone(tmp_path, accelerate_installed):
