@@ -51,11 +51,12 @@ removed, for a LoongForge one: ``integrations.deepspeed_hook`` installs this for
 state rebuilt per parameter, the rows joined or cut in halves: ZeRO-1/2 as above (DeepSpeed refused it), ZeRO-3 from
 each parameter's partitions (``SavedZero3``; DeepSpeed loaded it silently wrong on several ranks; also at another
 world size, which DeepSpeed's ZeRO-3 load refuses), and without ZeRO a torch optimizer's state by place
-(``_unpartitioned_state_across_mlp_layout``; torch refused it). Which parameters are compared is the optimizer's
-(frozen ones are saved apart); frozen parameters saved in the other layout are joined or cut under this engine's
-names (``_frozen_in_engine_layout``; DeepSpeed looked them up by name), and so are the per-parameter folders of a
-universal checkpoint (``_universal_across_mlp_layout``). ZeRO-3's consolidated 16-bit state dict (the HF Trainer's
-``save_model``) gets transformers' keys (``stock_mlp_keys``).
+(``_unpartitioned_state_across_mlp_layout``; torch refused it) and FP16_Optimizer's flat groups by the order of
+their elements (``_flat_state_across_mlp_layout``; with MLP biases DeepSpeed loaded them silently wrong). Which
+parameters are compared is the optimizer's (frozen ones are saved apart); frozen parameters saved in the other
+layout are joined or cut under this engine's names (``_frozen_in_engine_layout``; DeepSpeed looked them up by
+name), and so are the per-parameter folders of a universal checkpoint (``_universal_across_mlp_layout``). ZeRO-3's
+consolidated 16-bit state dict (the HF Trainer's ``save_model``) gets transformers' keys (``stock_mlp_keys``).
 """
 
 from __future__ import annotations
@@ -888,10 +889,11 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     those two as one gate_up_proj where gate_proj was) must match the saved groups' sizes and every saved moment
     and master its parameter's shape; then the state dict for this engine's parameters (the rows joined, or cut in
     halves), else None (not this case: DeepSpeed's own load follows). FP16_Optimizer (DeepSpeed's own fused
-    optimizers in bf16/fp16: flat fp32 groups, no parameter boundaries saved) is left to DeepSpeed."""
+    optimizers in bf16/fp16) keeps one flat fp32 group per parameter group: ``_flat_state_across_mlp_layout``."""
     optimizer = engine.optimizer
     wrapped = type(optimizer).__name__ == "FP16_UnfusedOptimizer"
-    if wrapped:
+    flat = type(optimizer).__name__ == "FP16_Optimizer" and hasattr(optimizer, "fp32_groups_flat")
+    if wrapped or flat:
         groups_of_params = optimizer.fp16_groups
     elif (isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "fp32_groups")
           and not engine.fp16_enabled() and not engine.bfloat16_enabled()):
@@ -904,39 +906,24 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     from ds_loongforge.export import CheckpointExportError, _model_states
 
     try:
-        saved = _model_states(folder).get("optimizer")
+        states = _model_states(folder)
     except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
         return None
+    saved = states.get("optimizer")
+    params = {n: p for n, p in engine.module.named_parameters()}
+    groups = [[names.get(id(p)) for p in group] for group in groups_of_params]
+    if any(None in group for group in groups):
+        return None
+    other, shapes = _groups_in_other_mlp_layout(groups, params)
+    if flat:
+        return _flat_state_across_mlp_layout(saved, states["module"], groups, other, shapes, params)
     inner = saved.get("optimizer_state_dict") if wrapped and isinstance(saved, dict) else saved
     if (not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) or "state" not in inner
             or (wrapped and not isinstance(saved.get("fp32_groups"), list))):
         return None
-    params = {n: p for n, p in engine.module.named_parameters()}
-    groups = [[names.get(id(p)) for p in group] for group in groups_of_params]
-    if (len(groups) != len(inner["param_groups"]) or any(None in group for group in groups)
+    if (len(groups) != len(inner["param_groups"])
             or all(len(g) == len(s["params"]) for g, s in zip(groups, inner["param_groups"]))):
         return None
-    shapes: dict[str, torch.Size] = {}  # the other layout's parameters, and their shapes
-    other = []
-    for group in groups:
-        names_other = []
-        for name in group:
-            parts = _mlp_parts(name)
-            if parts is not None:  # this engine fused: the saved run had gate then up
-                for part, half in zip(parts, params[name].chunk(2)):
-                    names_other.append(part)
-                    shapes[part] = half.shape
-                continue
-            half = _unfused_mlp_half(name, params)
-            if half is not None:  # this engine unfused: the saved run had gate_up_proj at the gate's place
-                whole, which = half
-                if which == 0:
-                    names_other.append(whole)
-                    shapes[whole] = torch.Size([2 * params[name].shape[0], *params[name].shape[1:]])
-                continue
-            names_other.append(name)
-            shapes[name] = params[name].shape
-        other.append(names_other)
     if [len(g) for g in other] != [len(s["params"]) for s in inner["param_groups"]]:
         return None
     saved_index, saved_master = {}, {}  # other-layout name -> the saved state's index / fp32 master
@@ -987,6 +974,135 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         masters.append(group_masters)
     converted = {"state": state, "param_groups": param_groups}
     return {**saved, "optimizer_state_dict": converted, "fp32_groups": masters} if wrapped else converted
+
+
+def _groups_in_other_mlp_layout(groups: list[list[str]], params: dict
+                                ) -> tuple[list[list[str]], dict[str, torch.Size]]:
+    """This engine's parameter groups (names) in the other MLP layout, and those parameters' shapes. A fused MLP's
+    gate_up_proj leaves of a group become, at the first one's place, transformers' order of the module's
+    parameters: gate_proj's (weight, bias), then up_proj's. A gate_proj + up_proj pair becomes one gate_up_proj at
+    each gate leaf's place."""
+    shapes: dict[str, torch.Size] = {}
+    other = []
+    for group in groups:
+        names_other, done = [], set()
+        for name in group:
+            parts = _mlp_parts(name)
+            if parts is not None:  # this engine fused: the other layout has gate's leaves, then up's
+                mlp = name.rpartition("gate_up_proj.")[0]
+                if mlp in done:
+                    continue
+                done.add(mlp)
+                leaves = [n for n in group if _mlp_parts(n) is not None and n.rpartition("gate_up_proj.")[0] == mlp]
+                for half in range(2):
+                    for leaf in leaves:
+                        part = _mlp_parts(leaf)[half]
+                        names_other.append(part)
+                        shapes[part] = params[leaf].chunk(2)[half].shape
+                continue
+            half = _unfused_mlp_half(name, params)
+            if half is not None:  # this engine unfused: the other layout has gate_up_proj at the gate's place
+                whole, which = half
+                if which == 0:
+                    names_other.append(whole)
+                    shapes[whole] = torch.Size([2 * params[name].shape[0], *params[name].shape[1:]])
+                continue
+            names_other.append(name)
+            shapes[name] = params[name].shape
+        other.append(names_other)
+    return other, shapes
+
+
+def _flat_state_across_mlp_layout(saved, module: dict, groups: list[list[str]], other: list[list[str]],
+                                  shapes: dict[str, torch.Size], params: dict) -> dict | None:
+    """FP16_Optimizer (bf16/fp16 without ZeRO around DeepSpeed's own fused optimizers, FusedAdam for one) saves one
+    flat fp32 master per parameter group, and its moments flat alike, with no parameter boundaries; DeepSpeed loads
+    them by size. Across the MLP layout the sizes agree, and so does the order of the elements where an MLP has no
+    bias (gate_up_proj's rows are gate's then up's). With biases they do not: [gate.weight, gate.bias, up.weight,
+    up.bias] against [gate_up.weight, gate_up.bias], and DeepSpeed's load gave up_proj the gate's bias and rows
+    shifted by it, without a word. Which layout the saved flats are in is read from the saved weights: every fp32
+    master rounds to its weight (the module file's, under transformers' keys in either layout) after every step.
+    Where this engine's layout reads the masters right, or the other layout's does not either (another model, say),
+    None: DeepSpeed's own load follows. Else the saved state with each flat master and flat moment rearranged into
+    this engine's order."""
+    from ds_loongforge.export import _rounds_to
+
+    inner = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
+    flats = saved.get("fp32_groups_flat") if isinstance(saved, dict) else None
+    if (not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) or "state" not in inner
+            or not isinstance(flats, list) or not len(flats) == len(groups) == len(inner["param_groups"])
+            or any(len(group["params"]) != 1 for group in inner["param_groups"])
+            or any(flat.numel() != sum(params[n].numel() for n in group) for flat, group in zip(flats, groups))):
+        return None
+
+    def runs_of(group: list[str], group_other: list[str]) -> list[tuple[int, int]] | None:
+        """(start, length) runs of the saved flat, in the other layout's order, that make this engine's flat; None
+        where a group holds one of an MLP's gate and up projections without the other (no other layout)."""
+        start, offset = {}, 0
+        for name in group_other:
+            start[name] = offset
+            offset += shapes[name].numel()
+        runs = []
+        for name in group:
+            size = params[name].numel()
+            if (parts := _mlp_parts(name)) is not None:
+                runs += [(start[part], size // 2) for part in parts]
+            elif name in start:
+                runs.append((start[name], size))
+            elif (whole := _unfused_mlp_half(name, params)) is not None and whole[0] in start:
+                runs.append((start[whole[0]] + whole[1] * size, size))
+            else:
+                return None
+        return runs
+
+    def weight(name: str) -> torch.Tensor | None:
+        """The saved weight of this engine's parameter ``name`` (the module file has transformers' keys)."""
+        if name in module:
+            return module[name]
+        parts = _mlp_parts(name)
+        return torch.cat([module[part] for part in parts]) if parts and all(p in module for p in parts) else None
+
+    def reads_right(flat: torch.Tensor, group: list[str]) -> bool:
+        """Whether the flat, read in this engine's order, holds a master for each parameter that rounds to its
+        saved weight."""
+        offset = 0
+        for name in group:
+            size = params[name].numel()
+            saved_weight = weight(name)
+            if (saved_weight is None or saved_weight.numel() != size
+                    or not _rounds_to(flat[offset:offset + size].view(saved_weight.shape), saved_weight)):
+                return False
+            offset += size
+        return True
+
+    def rearranged(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.cat([flat[start:start + length] for start, length in runs])
+
+    runs = [runs_of(group, group_other) for group, group_other in zip(groups, other)]
+    if None in runs or all(_in_order(r) for r in runs):  # the same order in both layouts: DeepSpeed's load is right
+        return None
+    if all(reads_right(flat, group) for flat, group in zip(flats, groups)):  # saved in this engine's layout
+        return None
+    masters = [rearranged(flat, r) for flat, r in zip(flats, runs)]
+    if not all(reads_right(flat, group) for flat, group in zip(masters, groups)):
+        return None
+    state = dict(inner["state"])
+    for group, r, flat in zip(inner["param_groups"], runs, flats):
+        key = group["params"][0]
+        if key in state:
+            state[key] = {name: rearranged(value, r) if _per_element(value) and value.numel() == flat.numel()
+                          else _own(value) for name, value in state[key].items()}
+    return {**saved, "optimizer_state_dict": {**inner, "state": state}, "fp32_groups_flat": masters}
+
+
+def _in_order(runs: list[tuple[int, int]]) -> bool:
+    """Whether the runs, one after another, are the flat from its start in order (nothing rearranged)."""
+    offset = 0
+    for start, length in runs:
+        if start != offset:
+            return False
+        offset += length
+    return True
 
 
 def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
