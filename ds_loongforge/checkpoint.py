@@ -976,6 +976,76 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     return {**saved, "optimizer_state_dict": converted, "fp32_groups": masters} if wrapped else converted
 
 
+def _sixteen_bit_wrapper(optimizer) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's bf16/fp16 wrapper without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer):
+    fp32 masters of its own beside the 16-bit parameters."""
+    return (type(optimizer).__name__ in ("FP16_Optimizer", "FP16_UnfusedOptimizer")
+            and hasattr(optimizer, "fp16_groups") and hasattr(optimizer, "refresh_fp32_params"))
+
+
+def _masters_from_checkpoint(engine, folder: str) -> None:
+    """``load_checkpoint(load_optimizer_states=False)`` without ZeRO in bf16/fp16: DeepSpeed loads the 16-bit weights
+    and leaves the optimizer's fp32 masters as they were (the fresh model's; only ``load_module_only`` refreshes
+    them), so the next step wrote those masters over the loaded weights, and the run went on from its
+    initialisation without a word (ZeRO-1/2 take the checkpoint's fp32 masters). The masters become the
+    checkpoint's fp32 ones, in this engine's order (across the MLP layout: rearranged), where each rounds to the
+    weight just loaded; else the loaded weights themselves."""
+    optimizer = engine.optimizer
+    flat = type(optimizer).__name__ == "FP16_Optimizer"
+    targets = optimizer.fp32_groups_flat if flat else optimizer.fp32_groups
+    masters = _saved_masters(engine, folder, flat)
+    if masters is None:
+        optimizer.refresh_fp32_params()
+        source = "the loaded 16-bit weights (the checkpoint holds no fp32 masters for these parameters)"
+    else:
+        for target, master in zip(targets, masters):
+            if flat:
+                target.data.copy_(master)
+            else:
+                for t, m in zip(target, master):
+                    t.data.copy_(m)
+        source = "the checkpoint's"
+    _note("[LoongForge] %s: loaded without its optimizer states (no ZeRO, %s): fp32 masters set from %s; DeepSpeed "
+          "kept the engine's own, which the next step would have written over the loaded weights", folder,
+          type(optimizer).__name__, source)
+
+
+def _saved_masters(engine, folder: str, flat: bool) -> list | None:
+    """The checkpoint's fp32 masters for this engine's bf16/fp16 wrapper (FP16_Optimizer's flat groups when
+    ``flat``, else FP16_UnfusedOptimizer's per-parameter lists) in this engine's order, each rounding to the weight
+    now loaded; else None."""
+    from ds_loongforge.export import CheckpointExportError, _model_states, _rounds_to
+
+    optimizer = engine.optimizer
+    weights = [[p.detach() for p in group] for group in optimizer.fp16_groups]
+
+    def fits(masters) -> bool:
+        if not isinstance(masters, list) or len(masters) != len(weights):
+            return False
+        for master, group in zip(masters, weights):
+            if flat:
+                whole = torch.cat([w.reshape(-1) for w in group]) if group else None
+                if whole is None or not torch.is_tensor(master) or master.shape != whole.shape:
+                    return False
+                if not _rounds_to(master, whole.to(master.device)):
+                    return False
+            elif (not isinstance(master, (list, tuple)) or len(master) != len(group)
+                  or any(not torch.is_tensor(m) or m.shape != w.shape or not _rounds_to(m, w.to(m.device))
+                         for m, w in zip(master, group))):
+                return False
+        return True
+
+    try:
+        saved = _model_states(folder).get("optimizer")
+    except CheckpointExportError:
+        return None
+    key = "fp32_groups_flat" if flat else "fp32_groups"
+    if isinstance(saved, dict) and fits(saved.get(key)):
+        return saved[key]
+    converted = _unpartitioned_state_across_mlp_layout(engine, folder)  # saved in the other MLP layout
+    return converted[key] if converted is not None and fits(converted.get(key)) else None
+
+
 def _groups_in_other_mlp_layout(groups: list[list[str]], params: dict
                                 ) -> tuple[list[list[str]], dict[str, torch.Size]]:
     """This engine's parameter groups (names) in the other MLP layout, and those parameters' shapes. A fused MLP's
@@ -1336,6 +1406,12 @@ def _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_o
     if (load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and getattr(engine, "has_moe_layers", False)):
         _check_unpartitioned_ep_size(engine, folder)
+    if (saved_here and not load_optimizer_states and not load_module_only and not engine.zero_optimization()
+            and not engine.load_universal_checkpoint() and _sixteen_bit_wrapper(engine.optimizer)):
+        result = original(engine, load_dir, tag, load_optimizer_states=False, load_module_only=False, **kwargs)
+        if result[0] is not None:
+            _masters_from_checkpoint(engine, folder)
+        return result
     if (saved_here and load_optimizer_states and not load_module_only and not engine.zero_optimization()
             and not engine.load_universal_checkpoint()):
         converted = _unpartitioned_state_across_mlp_layout(engine, folder)

@@ -949,6 +949,76 @@ def _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen=(
     return output
 
 
+# a dense Llama trained 2 steps under argv[1]'s config with argv[3]'s block (JSON; null: none) and saved; the same
+# model under argv[4]'s block loads it without the optimizer states and steps once; the fp32 masters (stock names)
+# and weights of both, as saved / loaded, and the second's weights after its step
+NO_OPTIMIZER_STATES_SCRIPT = LLAMA_ENGINE_SNIPPET + """
+base = json.load(open(sys.argv[1]))
+first, second = (engine_for(base if block is None else {**base, "loongforge": block})
+                 for block in (json.loads(arg) for arg in sys.argv[3:5]))
+print("optimizers:", type(first.optimizer).__name__, type(second.optimizer).__name__)
+
+
+def masters(engine):
+    out = {}
+    for name, p in engine.module.named_parameters():
+        value = full(engine, p, None)
+        out.update(zip((name.replace("gate_up_proj", part) for part in ("gate_proj", "up_proj")), value.chunk(2))
+                   if "gate_up_proj" in name else [(name, value)])
+    return out
+
+
+for ids in batches[:2]:
+    step(first, ids)
+first.save_checkpoint(out, tag="ckpt")
+second.load_checkpoint(out, tag="ckpt", load_optimizer_states=False)
+result = {"saved": masters(first), "loaded": masters(second),
+          **{key: {k: v.clone() for k, v in engine.module.state_dict().items()}
+             for key, engine in (("weights", first), ("loaded_weights", second))}}
+step(second, batches[2])
+result["stepped_weights"] = dict(second.module.state_dict())
+torch.save(result, os.path.join(out, "result.pt"))
+leave()
+"""
+
+
+@pytest.mark.parametrize("first, second, optimizer", [
+    ("enabled", "enabled", "deepspeed"),  # FP16_Optimizer
+    ("enabled", "enabled", "script"),  # FP16_UnfusedOptimizer
+    ("absent", "enabled", "deepspeed"),  # across the MLP layout (MLP biases: another element order)
+    ("enabled", "disabled", "script"),
+])
+def test_load_without_optimizer_states_keeps_the_loaded_weights(tmp_path, autoload_installed, first, second,
+                                                               optimizer):
+    """``load_checkpoint(load_optimizer_states=False)`` (a fine-tune from a checkpoint with a fresh optimizer) without
+    ZeRO in bf16: DeepSpeed loaded the 16-bit weights and left its fp32 masters at the new model's initial values
+    (only ``load_module_only`` refreshes them), so the first step wrote those masters over the loaded weights: the
+    run trained on from its initialisation, without a word (the weights moved by 0.125 in one step at lr 1e-2 here).
+    The masters are now the checkpoint's fp32 ones, in either MLP layout; the moments start afresh."""
+    import torch
+
+    blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
+    config = {**DS_BASE, "gradient_clipping": 1.0, "bf16": {"enabled": True}}
+    if optimizer == "deepspeed":
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    output = _run_script(tmp_path, MODEL_SNIPPET + NO_OPTIMIZER_STATES_SCRIPT, config, str(tmp_path / "ckpt"),
+                         json.dumps(blocks[first]), json.dumps(blocks[second]),
+                         env={"LF_TEST_MLP_BIAS": "1" if first != second else "0"})
+    kind = "FP16_Optimizer" if optimizer == "deepspeed" else "FP16_UnfusedOptimizer"
+    assert f"optimizers: {kind} {kind}" in output, output[-6000:]
+    assert "loaded without its optimizer states (no ZeRO" in output and "set from the checkpoint's" in output, \
+        output[-6000:]
+    result = torch.load(tmp_path / "ckpt" / "result.pt")
+    assert result["saved"].keys() == result["loaded"].keys()
+    for name, value in result["saved"].items():
+        assert torch.equal(result["loaded"][name], value), name
+    for name, value in result["weights"].items():
+        assert torch.equal(result["loaded_weights"][name], value), name
+        # Adam's first step moves an element by lr (1e-2), plus the bf16 rounding of a weight below 1 (<= 4e-3)
+        moved = (result["stepped_weights"][name].float() - value.float()).abs().max().item()
+        assert moved <= 0.015, (name, moved)
+
+
 # a dense Llama (argv[5]: the parameters frozen, engine_for) trained 2 steps under argv[1]'s config with argv[3]'s
 # block (JSON; null: none), saved and stepped once more (argv[4] "save"); or the same model under argv[3]'s block,
 # that checkpoint loaded ("load"; the latest tag) or the universal checkpoint converted from it with DeepSpeed's
