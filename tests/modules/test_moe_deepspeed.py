@@ -553,6 +553,61 @@ def test_checkpoint_round_trip_bitwise_and_across_ep_sizes(tmp_path):
     assert torch.equal(block.experts.gate_up_proj, full["moe.experts.gate_up_proj"])
 
 
+def _no_optimizer_states_worker(rank, world, port, seed, ckpt_dir, out_dir):
+    _setup_env(rank, world, port)
+    reference = _reference(seed)
+    batches = _batches(world, seed, steps=4)
+    results = {}
+    for torch_adam in (True, False):  # FP16_UnfusedOptimizer around torch's AdamW, FP16_Optimizer around FusedAdam
+        config = _config(0, optimizer=True, dtype="bf16")
+        config["optimizer"]["params"]["torch_adam"] = torch_adam
+        engines = []
+        for net in (_deepspeed_net(reference, world, rank), _deepspeed_net(_reference(seed + 7), world, rank)):
+            engines.append(deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)[0])
+        first, second = engines
+        for x, target in batches[:3]:
+            first.backward(first(x[rank].bfloat16(), target[rank].bfloat16()))
+            first.step()
+        folder = f"{ckpt_dir}/adam{int(torch_adam)}"
+        first.save_checkpoint(folder, tag="step3")
+        second.load_checkpoint(folder, tag="step3", load_optimizer_states=False)
+        masters = [_masters(e.optimizer) for e in engines]
+        x, target = batches[3]
+        second.backward(second(x[rank].bfloat16(), target[rank].bfloat16()))
+        second.step()
+        results[type(second.optimizer).__name__] = {
+            "masters": masters, "saved": _params(first.module),
+            "stepped": _params(second.module)}
+    torch.save(results, f"{out_dir}/no_optim{rank}.pt")
+
+
+def _masters(optimizer) -> list[torch.Tensor]:
+    """A bf16 wrapper's fp32 masters, one flat tensor a group (FP16_Optimizer's own, FP16_UnfusedOptimizer's joined)."""
+    if hasattr(optimizer, "fp32_groups_flat"):
+        return [flat.detach().clone() for flat in optimizer.fp32_groups_flat]
+    return [torch.cat([p.detach().reshape(-1) for p in group]) for group in optimizer.fp32_groups]
+
+
+def test_expert_parallel_load_without_optimizer_states_keeps_the_loaded_weights(tmp_path):
+    """Without ZeRO in bf16, DeepSpeed's ``load_checkpoint(load_optimizer_states=False)`` left the optimizer's fp32
+    masters at the fresh engine's initial weights and its first step wrote them over the loaded ones. With expert
+    parallelism the saved masters sit in each expert-parallel rank's optimizer file; the loaded masters are those
+    (the fresh engine started from other weights), and the next step moves the loaded weights by about lr."""
+    world, seed = 2, int(torch.randint(0, 2**31, ()))
+    _spawn(_no_optimizer_states_worker, world, seed, str(tmp_path / "ckpt"), str(tmp_path))
+    for rank in range(world):
+        results = torch.load(tmp_path / f"no_optim{rank}.pt")
+        assert set(results) == {"FP16_UnfusedOptimizer", "FP16_Optimizer"}
+        for kind, result in results.items():
+            saved, loaded = result["masters"]
+            assert len(saved) == len(loaded) >= 2  # a dense group and an expert group
+            for group, (want, got) in enumerate(zip(saved, loaded)):
+                assert torch.equal(got, want), f"{kind}, rank {rank}, group {group}: masters not the checkpoint's"
+            for name, value in result["saved"].items():  # lr 0.01, bf16 weights below 1 (rounding <= 4e-3)
+                moved = (result["stepped"][name].float() - value.float()).abs().max().item()
+                assert moved <= 0.015, (kind, rank, name, moved)
+
+
 def _save_16bit_worker(rank, world, port, seed, out_dir):
     _setup_env(rank, world, port)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
