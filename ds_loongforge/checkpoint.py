@@ -1017,20 +1017,24 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
     from ds_loongforge.export import CheckpointExportError, _model_states, _rounds_to
 
     optimizer = engine.optimizer
-    weights = [[p.detach() for p in group] for group in optimizer.fp16_groups]
+    # FP16_Optimizer's parameters are views of one flat 16-bit tensor a group
+    weights = optimizer.fp16_groups_flat if flat else [[p.detach() for p in g] for g in optimizer.fp16_groups]
+
+    def rounds_to(master: torch.Tensor, weight: torch.Tensor, chunk: int = 1 << 26) -> bool:
+        """On the weight's device, a piece at a time (a large model's group is many GiB)."""
+        master, weight = master.reshape(-1), weight.detach().reshape(-1)
+        return all(_rounds_to(master[i:i + chunk].to(weight.device), weight[i:i + chunk])
+                   for i in range(0, weight.numel(), chunk))
 
     def fits(masters) -> bool:
         if not isinstance(masters, list) or len(masters) != len(weights):
             return False
         for master, group in zip(masters, weights):
             if flat:
-                whole = torch.cat([w.reshape(-1) for w in group]) if group else None
-                if whole is None or not torch.is_tensor(master) or master.shape != whole.shape:
-                    return False
-                if not _rounds_to(master, whole.to(master.device)):
+                if not torch.is_tensor(master) or master.shape != group.shape or not rounds_to(master, group):
                     return False
             elif (not isinstance(master, (list, tuple)) or len(master) != len(group)
-                  or any(not torch.is_tensor(m) or m.shape != w.shape or not _rounds_to(m, w.to(m.device))
+                  or any(not torch.is_tensor(m) or m.shape != w.shape or not rounds_to(m, w)
                          for m, w in zip(master, group))):
                 return False
         return True
