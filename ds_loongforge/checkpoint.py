@@ -916,7 +916,7 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         return None
     other, shapes = _groups_in_other_mlp_layout(groups, params)
     if flat:
-        return _flat_state_across_mlp_layout(saved, states["module"], groups, other, shapes, params)
+        return _flat_state_across_mlp_layout(saved, states["module"], groups, other, shapes, params, folder)
     inner = saved.get("optimizer_state_dict") if wrapped and isinstance(saved, dict) else saved
     if (not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) or "state" not in inner
             or (wrapped and not isinstance(saved.get("fp32_groups"), list))):
@@ -1054,7 +1054,10 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
     key = "fp32_groups_flat" if flat else "fp32_groups"
     if isinstance(saved, dict) and fits(saved.get(key)):
         return saved[key]
-    converted = _unpartitioned_state_across_mlp_layout(engine, folder)  # saved in the other MLP layout
+    try:
+        converted = _unpartitioned_state_across_mlp_layout(engine, folder)  # saved in the other MLP layout
+    except CheckpointLayoutError:  # the masters are in neither layout's order: the loaded weights give them
+        return None
     return converted[key] if converted is not None and fits(converted.get(key)) else None
 
 
@@ -1096,7 +1099,7 @@ def _groups_in_other_mlp_layout(groups: list[list[str]], params: dict
 
 
 def _flat_state_across_mlp_layout(saved, module: dict, groups: list[list[str]], other: list[list[str]],
-                                  shapes: dict[str, torch.Size], params: dict) -> dict | None:
+                                  shapes: dict[str, torch.Size], params: dict, folder: str) -> dict | None:
     """FP16_Optimizer (bf16/fp16 without ZeRO around DeepSpeed's own fused optimizers, FusedAdam for one) saves one
     flat fp32 master per parameter group, and its moments flat alike, with no parameter boundaries; DeepSpeed loads
     them by size. Across the MLP layout the sizes agree, and so does the order of the elements where an MLP has no
@@ -1104,9 +1107,9 @@ def _flat_state_across_mlp_layout(saved, module: dict, groups: list[list[str]], 
     up.bias] against [gate_up.weight, gate_up.bias], and DeepSpeed's load gave up_proj the gate's bias and rows
     shifted by it, without a word. Which layout the saved flats are in is read from the saved weights: every fp32
     master rounds to its weight (the module file's, under transformers' keys in either layout) after every step.
-    Where this engine's layout reads the masters right, or the other layout's does not either (another model, say),
-    None: DeepSpeed's own load follows. Else the saved state with each flat master and flat moment rearranged into
-    this engine's order."""
+    Where this engine's layout reads the masters right, None: DeepSpeed's own load follows. Where neither layout
+    does (parameter groups built in another order, say), an error: DeepSpeed's load by size would be wrong. Else
+    the saved state with each flat master and flat moment rearranged into this engine's order."""
     from ds_loongforge.export import _rounds_to
 
     inner = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
@@ -1167,7 +1170,14 @@ def _flat_state_across_mlp_layout(saved, module: dict, groups: list[list[str]], 
         return None
     masters = [rearranged(flat, r) for flat, r in zip(flats, runs)]
     if not all(reads_right(flat, group) for flat, group in zip(masters, groups)):
-        return None
+        # the layouts order the elements differently and neither reads the saved weights: DeepSpeed's load by size
+        # would hand these parameters other parameters' masters and moments
+        raise CheckpointLayoutError(
+            f"[LoongForge] {folder}: the checkpoint's flat fp32 masters (FP16_Optimizer, no ZeRO) are not "
+            "its weights in this engine's parameter order nor in the other MLP layout's, so its optimizer state "
+            "would load into other parameters. Build the optimizer's parameter groups as the saving run did, or "
+            "load with load_optimizer_states=False (the weights load, their masters are set from them, and the "
+            "moments start afresh)")
     state = dict(inner["state"])
     for group, r, flat in zip(inner["param_groups"], runs, flats):
         key = group["params"][0]

@@ -467,6 +467,47 @@ def test_unpartitioned_mlp_layout_check_leaves_other_checkpoints_to_deepspeed(tm
         optimizer.load_state_dict(got)
 
 
+def test_flat_masters_across_the_fused_mlp_with_biases():
+    """FP16_Optimizer's flat fp32 masters and moments (no parameter boundaries saved) of a stock MLP with biases,
+    [gate.weight, gate.bias, up.weight, up.bias, down...], rearranged for a fused engine's [gate_up.weight,
+    gate_up.bias, down...]; the layout is read from the saved 16-bit weights. Flats already in the engine's order go
+    to DeepSpeed; flats that neither order reads right are an error (DeepSpeed would load them by size)."""
+    from ds_loongforge.checkpoint import (CheckpointLayoutError, _flat_state_across_mlp_layout,
+                                          _groups_in_other_mlp_layout)
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    stock = {name: torch.randn(shape, generator=g) for name, shape in [
+        ("mlp.gate_proj.weight", (6, 4)), ("mlp.gate_proj.bias", (6,)), ("mlp.up_proj.weight", (6, 4)),
+        ("mlp.up_proj.bias", (6,)), ("mlp.down_proj.weight", (4, 6))]}
+    params = {"mlp.gate_up_proj.weight": torch.empty(12, 4), "mlp.gate_up_proj.bias": torch.empty(12),
+              "mlp.down_proj.weight": torch.empty(4, 6)}
+    groups = [list(params)]
+    other, shapes = _groups_in_other_mlp_layout(groups, params)
+    assert other == [list(stock)]  # transformers' order: the gate's leaves, then the up's
+    assert all(shapes[name] == value.shape for name, value in stock.items())
+    module = {name: value.bfloat16() for name, value in stock.items()}  # the weights the masters round to
+    flat = torch.cat([value.reshape(-1) for value in stock.values()])
+    moment = torch.rand(flat.shape, generator=g)
+    saved = {"fp32_groups_flat": [flat], "clip_grad": 1.0, "optimizer_state_dict": {
+        "state": {0: {"exp_avg": moment, "exp_avg_sq": moment * 2, "step": 3}}, "param_groups": [{"params": [0]}]}}
+
+    got = _flat_state_across_mlp_layout(saved, module, groups, other, shapes, params, "ckpt")
+    fused_order = [stock["mlp.gate_proj.weight"], stock["mlp.up_proj.weight"], stock["mlp.gate_proj.bias"],
+                   stock["mlp.up_proj.bias"], stock["mlp.down_proj.weight"]]
+    assert torch.equal(got["fp32_groups_flat"][0], torch.cat([t.reshape(-1) for t in fused_order]))
+    state = got["optimizer_state_dict"]["state"][0]
+    index = torch.cat([torch.arange(24), torch.arange(30, 54), torch.arange(24, 30), torch.arange(54, 60),
+                       torch.arange(60, 84)])  # gate.w, up.w, gate.b, up.b, down: where each sits in the stock flat
+    assert torch.equal(state["exp_avg"], moment[index]) and torch.equal(state["exp_avg_sq"], 2 * moment[index])
+    assert state["step"] == 3 and got["clip_grad"] == 1.0
+
+    in_order = {**saved, "fp32_groups_flat": [got["fp32_groups_flat"][0]]}  # saved by a fused engine
+    assert _flat_state_across_mlp_layout(in_order, module, groups, other, shapes, params, "ckpt") is None
+    shuffled = {**saved, "fp32_groups_flat": [flat.flip(0)]}
+    with pytest.raises(CheckpointLayoutError, match="load_optimizer_states=False"):
+        _flat_state_across_mlp_layout(shuffled, module, groups, other, shapes, params, "ckpt")
+
+
 def test_mlp_parameter_names_across_the_fused_mlp():
     """A checkpoint's gate_proj / up_proj for the fused MLP's gate_up_proj and the other way (the rows [gate; up]);
     the stacked experts' own gate_up_proj (no leaf) and other names are left alone."""
