@@ -1039,19 +1039,20 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
                 return False
         return True
 
-    try:
-        saved = _model_states(folder).get("optimizer")
-    except CheckpointExportError:
-        return None
-    if getattr(engine, "has_moe_layers", False):  # one optimizer file per expert-parallel rank, as DeepSpeed loads it
-        from deepspeed.utils import groups
+    key = "fp32_groups_flat" if flat else "fp32_groups"
+    if getattr(engine, "has_moe_layers", False):  # one optimizer file per expert-parallel rank, as DeepSpeed loads it;
+        from deepspeed.utils import groups     # the other MLP layout's map reads the model file's: not for these
 
         from ds_loongforge.export import _load
 
         rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
         path = os.path.join(folder, f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
         saved = _load(path).get("optimizer") if os.path.isfile(path) else None
-    key = "fp32_groups_flat" if flat else "fp32_groups"
+        return saved[key] if isinstance(saved, dict) and fits(saved.get(key)) else None
+    try:
+        saved = _model_states(folder).get("optimizer")
+    except CheckpointExportError:
+        return None
     if isinstance(saved, dict) and fits(saved.get(key)):
         return saved[key]
     try:

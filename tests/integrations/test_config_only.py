@@ -736,6 +736,15 @@ def states(engine):
         else:
             out[name] = torch.stack(values)
     return out
+
+
+def masters(engine):  # the fp32 masters alone, under stock names (an optimizer that has not stepped has no moments)
+    out = {}
+    for name, p in engine.module.named_parameters():
+        value = full(engine, p, None)
+        out.update(zip((name.replace("gate_up_proj", part) for part in ("gate_proj", "up_proj")), value.chunk(2))
+                   if "gate_up_proj" in name else [(name, value)])
+    return out
 """
 # a dense Llama trained 2 steps by stock DeepSpeed (no block), saved, and stepped once more; then the same model
 # built again under argv[1]'s enabled block (MLPs fused: gate_proj and up_proj become one gate_up_proj), the
@@ -959,14 +968,6 @@ first, second = (engine_for(base if block is None else {**base, "loongforge": bl
 print("optimizers:", type(first.optimizer).__name__, type(second.optimizer).__name__)
 
 
-def masters(engine):
-    out = {}
-    for name, p in engine.module.named_parameters():
-        value = full(engine, p, None)
-        out.update(zip((name.replace("gate_up_proj", part) for part in ("gate_proj", "up_proj")), value.chunk(2))
-                   if "gate_up_proj" in name else [(name, value)])
-    return out
-
 
 for ids in batches[:2]:
     step(first, ids)
@@ -982,53 +983,18 @@ leave()
 """
 
 
-# on CUDA (DeepSpeed's CUDA FusedAdam), fp16 and bf16 without ZeRO, a Llama with MLP biases: a stock run's checkpoint
-# into a LoongForge engine and the other way, each with and without the optimizer states; every parameter's fp32
-# master (and with the states its moments) as saved, under stock names. The package's import hook is imported here
-# (the device runs the tests from the source tree, without the installed .pth)
-FP16_OPTIMIZER_GPU_SCRIPT = """
-import json, sys
-import torch
-import ds_loongforge._autoload  # noqa: F401
-import deepspeed
-from transformers import LlamaConfig, LlamaForCausalLM
+AUTOLOAD = "import ds_loongforge._autoload  # noqa: F401  (what loongforge_autoload.pth does)\n"
+# argv[3]'s dtypes (comma-separated) without ZeRO around DeepSpeed's own optimizer (argv[1]'s config), a Llama with MLP
+# biases (LF_TEST_MLP_BIAS=1) on the accelerator: a stock run's checkpoint into a LoongForge engine and the other way,
+# each with and without the optimizer states; every fp32 master (and with the states its moments) as saved. Run after
+# AUTOLOAD (the device runs the tests from the source tree, without the installed .pth)
+FP16_OPTIMIZER_SCRIPT = LLAMA_ENGINE_SNIPPET + """
+from deepspeed.accelerator import get_accelerator
 
-out = sys.argv[2]
-batches = torch.randint(0, 64, (3, 2, 16), generator=torch.Generator().manual_seed(1)).cuda()
-
-
-def engine_for(config):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         mlp_bias=True))
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
-
-
-def step(engine, ids):
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
-
-
-def states(engine):  # stock name -> [master, moments...] (no moments before a step)
-    optimizer, names, out = engine.optimizer, {id(p): n for n, p in engine.module.named_parameters()}, {}
-    for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
-        state, start = optimizer.optimizer.state.get(flat, {}), 0
-        for p in params:
-            values = [t[start:start + p.numel()].view(p.shape).float().cpu()
-                      for t in (flat, *(state[k] for k in ("exp_avg", "exp_avg_sq") if k in state))]
-            start += p.numel()
-            name = names[id(p)]
-            out.update(zip((name.replace("gate_up_proj", part) for part in ("gate_proj", "up_proj")),
-                           (torch.stack(half) for half in zip(*(v.chunk(2) for v in values))))
-                       if "gate_up_proj" in name else [(name, torch.stack(values))])
-    return out
-
-
+batches = batches.to(get_accelerator().current_device_name())
 ok = True
-for dtype in ("fp16", "bf16"):
-    base = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0,
-            dtype: {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+for dtype in sys.argv[3].split(","):
+    base = {**json.load(open(sys.argv[1])), dtype: {"enabled": True}}
     for blocks in ((None, {"enabled": True}), ({"enabled": True}, None)):
         first = engine_for(base if blocks[0] is None else {**base, "loongforge": blocks[0]})
         for ids in batches[:2]:
@@ -1041,25 +1007,30 @@ for dtype in ("fp16", "bf16"):
             assert any("gate_up_proj" in n for e in (first, second) for n, _ in e.module.named_parameters())
             assert type(second.optimizer).__name__ == "FP16_Optimizer"
             second.load_checkpoint(out, tag=tag, load_optimizer_states=with_states)
-            loaded = states(second)
-            wrong = [n for n in saved if not torch.equal(saved[n][0], loaded[n][0])
-                     or (with_states and not torch.equal(saved[n], loaded[n]))]
+            loaded = states(second) if with_states else masters(second)
+            wrong = [n for n, v in loaded.items() if not torch.equal(v, saved[n] if with_states else saved[n][0])]
             print(json.dumps({"dtype": dtype, "saved_fused": blocks[0] is not None, "with_states": with_states,
                               "wrong": wrong}), flush=True)
             ok &= not wrong
 print("ALL_OK" if ok else "WRONG")
+leave()
 """
 
 
-@pytest.mark.gpu
-def test_fp16_optimizer_checkpoints_across_the_fused_mlp_on_cuda(tmp_path):
+@pytest.mark.parametrize("accelerator, dtypes", [
+    ("cpu", "bf16"),  # DeepSpeed's CPU FusedAdam: keeps the script right where no GPU is
+    pytest.param("cuda", "fp16,bf16", marks=pytest.mark.gpu),  # DeepSpeed's CUDA FusedAdam
+])
+def test_fp16_optimizer_checkpoints_across_the_fused_mlp(tmp_path, accelerator, dtypes):
     """The two FP16_Optimizer fixes above (the flats' element order across the MLP layout, and the masters of a load
-    without optimizer states) with DeepSpeed's CUDA FusedAdam, in fp16 and bf16."""
-    output = _run_script(tmp_path, FP16_OPTIMIZER_GPU_SCRIPT, {}, str(tmp_path / "ckpt"),
-                         env={"DS_ACCELERATOR": "cuda"})
+    without optimizer states) with DeepSpeed's FusedAdam of the accelerator, in each dtype it runs."""
+    config = {**DS_BASE, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    output = _run_script(tmp_path, AUTOLOAD + MODEL_SNIPPET + FP16_OPTIMIZER_SCRIPT, config, str(tmp_path / "ckpt"),
+                         dtypes, env={"DS_ACCELERATOR": accelerator, "LF_TEST_MLP_BIAS": "1"})
+    loads = 2 * len(dtypes.split(","))  # each dtype: a stock checkpoint into LoongForge, and the other way
     assert "ALL_OK" in output, output[-6000:]
-    assert output.count("the optimizer state mapped per parameter") == 4, output[-6000:]
-    assert output.count("fp32 masters set from the checkpoint's") == 4, output[-6000:]
+    assert output.count("the optimizer state mapped per parameter") == loads, output[-6000:]
+    assert output.count("fp32 masters set from the checkpoint's") == loads, output[-6000:]
 
 
 @pytest.mark.parametrize("first, second, optimizer", [
