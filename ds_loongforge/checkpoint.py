@@ -57,6 +57,11 @@ parameters are compared is the optimizer's (frozen ones are saved apart); frozen
 layout are joined or cut under this engine's names (``_frozen_in_engine_layout``; DeepSpeed looked them up by
 name), and so are the per-parameter folders of a universal checkpoint (``_universal_across_mlp_layout``). ZeRO-3's
 consolidated 16-bit state dict (the HF Trainer's ``save_model``) gets transformers' keys (``stock_mlp_keys``).
+
+Saving: without ZeRO in bf16/fp16, DeepSpeed's FP16_Optimizer and FP16_UnfusedOptimizer save their fp32 masters with
+no parameter names; ``save_checkpoint`` adds which parameter each is to the model file
+(``sixteen_bit_optimizer_params``), by which ``loongforge_export`` reads them. A load drops that entry from the
+client state it returns.
 """
 
 from __future__ import annotations
@@ -976,6 +981,40 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     return {**saved, "optimizer_state_dict": converted, "fp32_groups": masters} if wrapped else converted
 
 
+SIXTEEN_BIT_PARAMS_KEY = "loongforge_16bit_optimizer_params"
+
+
+def sixteen_bit_optimizer_params(engine) -> dict | None:
+    """What DeepSpeed's bf16/fp16 wrappers without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer) save their fp32
+    masters without: which parameter each is. FP16_Optimizer saves one flat master a parameter group, and
+    FP16_UnfusedOptimizer a list, with no names or shapes (ZeRO's files record ``param_shapes``), so nothing but
+    the engine that saved them could tell them apart. This record travels in the checkpoint's model file (as client
+    state, which every DeepSpeed loads past): per optimizer group, each parameter's name under
+    ``engine.module.named_parameters()``, its shape (an expert-parallel rank's local experts) and whether it is an
+    expert parameter; the tied parameters (DeepSpeed's ``_get_shared_params``). None for other optimizers."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization() or not _sixteen_bit_wrapper(optimizer):
+        return None
+    from deepspeed.moe.utils import is_moe_param
+
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    if any(id(p) not in names for group in optimizer.fp16_groups for p in group):
+        return None  # a parameter the module does not hold: nothing to name it by
+    return {"optimizer": type(optimizer).__name__,
+            "groups": [[[names[id(p)], list(p.shape), bool(is_moe_param(p))] for p in group]
+                       for group in optimizer.fp16_groups],
+            "shared_params": engine._get_shared_params()}
+
+
+def save_checkpoint(original, engine, save_dir, tag=None, client_state=None, *args, **kwargs):
+    """``DeepSpeedEngine.save_checkpoint``, with ``sixteen_bit_optimizer_params`` in the model file where the
+    engine's optimizer saves unnamed masters (``loongforge_export`` reads them by it)."""
+    record = sixteen_bit_optimizer_params(engine)
+    if record is not None:
+        client_state = {**(client_state or {}), SIXTEEN_BIT_PARAMS_KEY: record}
+    return original(engine, save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
+
+
 def _sixteen_bit_wrapper(optimizer) -> bool:
     """Whether ``optimizer`` is DeepSpeed's bf16/fp16 wrapper without ZeRO (FP16_Optimizer, FP16_UnfusedOptimizer):
     fp32 masters of its own beside the 16-bit parameters."""
@@ -1495,12 +1534,15 @@ def stock_mlp_keys(module, state):
 
 
 def install() -> None:
-    """Route ``DeepSpeedEngine.load_checkpoint`` through ``load_checkpoint``, and its ZeRO-3 consolidated 16-bit
-    state dict through ``stock_mlp_keys`` (once per process)."""
+    """Route ``DeepSpeedEngine.load_checkpoint`` through ``load_checkpoint``, its ZeRO-3 consolidated 16-bit state
+    dict through ``stock_mlp_keys``, and ``save_checkpoint`` through ``save_checkpoint`` (once per process)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     def load(original, self, load_dir, tag=None, *args, **kwargs):
-        return load_checkpoint(original, self, load_dir, tag, *args, **kwargs)
+        result = load_checkpoint(original, self, load_dir, tag, *args, **kwargs)
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            result[1].pop(SIXTEEN_BIT_PARAMS_KEY, None)  # ours, not the client's
+        return result
 
     def consolidated(original, self, *args, **kwargs):
         return stock_mlp_keys(self.module, original(self, *args, **kwargs))
@@ -1509,3 +1551,4 @@ def install() -> None:
         logger.info("[LoongForge] DeepSpeedEngine.load_checkpoint -> optimizer state across ep_size, expert layout and "
                     "world size for stacked experts (ds_loongforge.checkpoint)")
     patch_once(DeepSpeedEngine, "_zero3_consolidated_16bit_state_dict", consolidated)
+    patch_once(DeepSpeedEngine, "save_checkpoint", save_checkpoint)

@@ -24,6 +24,13 @@ experts [e * E/ep, (e + 1) * E/ep), as DeepSpeed numbers its per-expert files).
 A ZeRO-3 checkpoint (whose model files hold no weights) is assembled by ``zero_to_fp32`` itself, its fused MLPs
 cut into transformers' keys (``_zero3_state_dict``).
 
+Without ZeRO, an fp32 run's weights are its masters. A bf16/fp16 run's masters are DeepSpeed's FP16_Optimizer's flat
+groups or FP16_UnfusedOptimizer's lists, in the model file (with expert parallelism: one optimizer file per
+expert-parallel rank). They carry no names, and ``zero_to_fp32`` does not read them; ds_loongforge records which
+parameter each is when the checkpoint is saved (``checkpoint.sixteen_bit_optimizer_params``), and
+``sixteen_bit_masters`` reads them by that record. A checkpoint saved without it is an error naming
+``--source module``.
+
 Then every tensor is checked against the weights the model ran with: the module file and the per-expert files
 hold each master rounded to the training dtype, bit for bit (a NaN matching a NaN). A layout read wrong, a file
 from another run, a missing rank or MoE layer is an error naming it, never a silently wrong tensor. Frozen
@@ -259,6 +266,71 @@ def fp32_masters(folder: str, model_states: dict | None = None) -> dict[str, tor
     return masters
 
 
+def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torch.Tensor], dtypes: list[str]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The fp32 masters of a checkpoint saved without ZeRO in bf16/fp16 (DeepSpeed's FP16_Optimizer: one flat
+    master a parameter group; FP16_UnfusedOptimizer: a list), under the engine's parameter names, each expert
+    parameter with all E experts; and the tied parameters. Those files name no parameter: the names come from the
+    record ds_loongforge saves beside them (``checkpoint.sixteen_bit_optimizer_params``). The optimizer state is
+    in the model file, or with expert parallelism in one ``expp_rank_<e>_mp_rank_00_optim_states.pt`` per
+    expert-parallel rank, whose local experts are concatenated in rank order (dense masters: rank 0's)."""
+    from ds_loongforge.checkpoint import SIXTEEN_BIT_PARAMS_KEY
+
+    record = states.get(SIXTEEN_BIT_PARAMS_KEY)
+    if not isinstance(record, dict) or not isinstance(record.get("groups"), list):
+        raise CheckpointExportError(
+            f"{folder} holds no ZeRO optimizer files and its weights are {', '.join(dtypes)}, and it was saved "
+            "without the record of which parameter each fp32 master is (DeepSpeed's bf16/fp16 optimizer without ZeRO "
+            "saves them unnamed; ds_loongforge records the names when it is installed at save time). Export the "
+            "weights the model ran with (source='module', --source module), or save with ds_loongforge installed")
+    flat = record.get("optimizer") == "FP16_Optimizer"
+    key = "fp32_groups_flat" if flat else "fp32_groups"
+    if states.get("num_experts"):  # an expert-parallel save: the optimizer state is in one file a rank
+        paths = {}
+        for path in glob.glob(os.path.join(folder, "expp_rank_*_mp_rank_00_optim_states.pt")):
+            match = re.fullmatch(r"expp_rank_(\d+)_mp_rank_00_optim_states\.pt", os.path.basename(path))
+            if match:
+                paths[int(match[1])] = path
+        if not paths or sorted(paths) != list(range(len(paths))):
+            raise CheckpointExportError(
+                f"{folder}: the expert-parallel optimizer files (expp_rank_<e>_mp_rank_00_optim_states.pt) of ranks "
+                f"{sorted(paths)} are there; those of ranks 0..{max(paths, default=0)} are needed")
+        files = [paths[r] for r in sorted(paths)]
+        optim = [_load(path).get("optimizer") for path in files]
+    else:
+        files, optim = [os.path.join(folder, MODEL_FILE)], [states.get("optimizer")]
+    masters: dict[str, list[torch.Tensor]] = {}
+    for path, saved in zip(files, optim):
+        groups = saved.get(key) if isinstance(saved, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(record["groups"]):
+            raise CheckpointExportError(
+                f"{path}: its optimizer state holds no {record.get('optimizer')} fp32 masters ('{key}') of "
+                f"{len(record['groups'])} parameter groups as the record beside them says (the optimizer not saved, "
+                "or files of two saves?); source='module' exports the saved weights alone")
+        for g, (group, params) in enumerate(zip(groups, record["groups"])):
+            sizes = [int(torch.Size(shape).numel()) for _, shape, _ in params]
+            pieces = (list(group.split(sizes)) if flat and torch.is_tensor(group) and group.numel() == sum(sizes)
+                      else list(group) if not flat and isinstance(group, (list, tuple)) and len(group) == len(sizes)
+                      else None)
+            if pieces is None or any(p.numel() != n for p, n in zip(pieces, sizes)):
+                raise CheckpointExportError(
+                    f"{path}: optimizer group {g}'s fp32 masters are not the {len(sizes)} parameters "
+                    f"({sum(sizes)} elements) the record names, {[name for name, _, _ in params][:3]}...: files of "
+                    "two saves? source='module' exports the saved weights alone")
+            for piece, (name, shape, expert) in zip(pieces, params):
+                held = masters.setdefault(name, [])
+                if expert or not held:  # dense parameters: rank 0's (every rank holds the same)
+                    held.append(piece.reshape(shape))
+    out = {name: torch.cat(pieces) if len(pieces) > 1 else pieces[0] for name, pieces in masters.items()}
+    for name in sorted({n for group in record["groups"] for n, _, expert in group if expert}):
+        want = saved_weights.get(name)
+        if want is not None and want.dim() and out[name].shape[0] != want.shape[0]:
+            raise CheckpointExportError(
+                f"{folder}: {name} has {want.shape[0]} experts and the {len(files)} expert-parallel optimizer files "
+                f"hold {out[name].shape[0]} of them: the files of the other expert-parallel ranks are missing")
+    return out, dict(record.get("shared_params") or {})
+
+
 def _name_in_saved(name: str, tensor: torch.Tensor, saved: dict) -> dict[str, torch.Tensor]:
     """An engine parameter under the saved state's keys: itself, or a FusedSwiGLUMLP's fused gate_up split back
     into gate_proj / up_proj by the module's own state-dict hook."""
@@ -287,7 +359,8 @@ def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str 
     """The model's state dict from a DeepSpeed checkpoint (see the module docstring): keys as the model's
     ``state_dict()`` gives them (transformers' keys for an injected transformers model), experts stacked over
     every expert-parallel rank. ``source="masters"``: trainable parameters are the optimizer's fp32 masters
-    (ZeRO-1/2, or fp32 training without ZeRO, whose weights are the masters), checked bit for bit against the
+    (ZeRO-1/2; without ZeRO: in fp32 the weights, in bf16/fp16 the 16-bit wrapper's masters by the names
+    ``sixteen_bit_masters`` reads), checked bit for bit against the
     saved weights; frozen ones and buffers come from the saved weights in fp32. ``source="module"``: the saved
     weights, in the dtype the model ran in."""
     if source not in SOURCES:
@@ -300,18 +373,17 @@ def load_state_dict(checkpoint_dir: str, tag: str | None = None, *, source: str 
     if source == "module":
         return saved
     masters = fp32_masters(folder, states)
+    shared = states.get("shared_params") or {}
     if not masters:
         low = sorted({str(t.dtype) for t in saved.values() if t.is_floating_point() and t.dtype != torch.float32})
-        if low:
-            raise CheckpointExportError(
-                f"{folder} holds no ZeRO optimizer files and its weights are {', '.join(low)}: the fp32 masters "
-                "are not in it (ZeRO-0 keeps them in the optimizer's own layout, or the optimizer was not saved). "
-                "Export the weights the model ran with (source='module', --source module), or train with ZeRO-1/2")
-        masters = {k: v for k, v in saved.items() if k not in states.get("buffer_names", ())}
+        if low:  # bf16/fp16 without ZeRO: the masters are in the optimizer's own files
+            masters, shared = sixteen_bit_masters(folder, states, saved, low)
+        else:  # fp32 without ZeRO: the weights are the masters
+            masters = {k: v for k, v in saved.items() if k not in states.get("buffer_names", ())}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in masters.items():  # fp32 (bf16_master_weights_and_grads keeps bf16 masters: exact in fp32)
         out.update(_name_in_saved(name, tensor.float(), saved))
-    for alias, target in (states.get("shared_params") or {}).items():
+    for alias, target in shared.items():
         if target in out:
             out[alias] = out[target]
     mismatched = []

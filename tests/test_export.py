@@ -25,6 +25,7 @@ import torch
 
 import deepspeed  # noqa: F401  (an install requirement: a missing one must fail, not skip)
 
+from ds_loongforge.checkpoint import SIXTEEN_BIT_PARAMS_KEY
 from ds_loongforge.export import CheckpointExportError, export, load_state_dict, main
 from tests._dist import spawn_with_deadline
 
@@ -50,7 +51,7 @@ def _llama():
 
 
 def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, data_before: bool = False,
-               fp32_grad_accum: bool = False) -> dict:
+               fp32_grad_accum: bool = False, deepspeed_adam: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1, "torch_adam": True}},
@@ -61,6 +62,8 @@ def _ds_config(stage: int, bf16: bool, ep_size: int, fused_adamw_clip: bool, dat
         config["use_data_before_expert_parallelism"] = True
     if fp32_grad_accum:  # ZeRO-1 bf16 then runs DeepSpeed's BF16_Optimizer, whose files differ
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if deepspeed_adam:  # DeepSpeed's own (CPU) FusedAdam: without ZeRO in bf16, FP16_Optimizer's flat masters
+        del config["optimizer"]["params"]["torch_adam"]
     return config
 
 
@@ -72,12 +75,17 @@ RUNS = {
     "zero2_bf16_ep1": ("mixtral", _ds_config(2, True, 1, True)),
     "zero1_bf16_optimizer_ep2": ("mixtral", _ds_config(1, True, 2, False, fp32_grad_accum=True)),
     "zero0_fp32_ep2": ("mixtral", _ds_config(0, False, 2, False)),
-    "zero0_bf16_ep2": ("mixtral", _ds_config(0, True, 2, False)),
+    "zero0_bf16_ep2": ("mixtral", _ds_config(0, True, 2, False)),  # FP16_UnfusedOptimizer
+    "zero0_bf16_ep2_deepspeed_adam": ("mixtral", _ds_config(0, True, 2, False, deepspeed_adam=True)),
     "qwen2_moe_ep2": ("qwen2_moe", _ds_config(2, True, 2, True)),
     "deepseek_v3_ep2": ("deepseek_v3", _ds_config(2, True, 2, True)),
     "zero2_bf16_llama": ("llama", _ds_config(2, True, 1, True)),
     "zero3_bf16_llama": ("llama", _ds_config(3, True, 1, False)),
+    "zero0_bf16_llama": ("llama", _ds_config(0, True, 1, False, deepspeed_adam=True)),
 }
+# without ZeRO in bf16: DeepSpeed's wrapper of each run's optimizer
+SIXTEEN_BIT_WRAPPERS = {"zero0_bf16_ep2": "FP16_UnfusedOptimizer", "zero0_bf16_ep2_deepspeed_adam": "FP16_Optimizer",
+                        "zero0_bf16_llama": "FP16_Optimizer"}
 FROZEN = "model.layers.0.self_attn.q_proj.weight"  # frozen in the llama run
 FROZEN_MLP = "model.layers.0.mlp"  # its gate_proj and up_proj frozen too: the injected gate_up_proj is frozen
 
@@ -127,6 +135,10 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
         # DeepSpeed's own assembly of each master from its ZeRO partitions (a collective, in the same order on
         # every rank); frozen parameters have none
         masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+        if type(engine.optimizer).__name__ in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):  # bf16 without ZeRO:
+            # DeepSpeed's function has no answer there
+            assert not any(m is not None for m in masters.values()), name
+            masters = _sixteen_bit_wrapper_masters(engine)
         moe = [m for m in engine.module.modules() if isinstance(m, ExpertMaskedMoE)]
         keys = set(engine.module.state_dict())
         results[name] = {
@@ -137,6 +149,19 @@ def _train_and_save(rank, world, port, seed, ckpt_root, out_dir):
             "optimizer": type(engine.optimizer).__name__,
         }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _sixteen_bit_wrapper_masters(engine) -> dict:
+    """The live fp32 masters of DeepSpeed's bf16/fp16 wrapper without ZeRO, by parameter name: FP16_Optimizer's
+    flat group cut over its parameters, FP16_UnfusedOptimizer's list."""
+    optimizer = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    masters = {}
+    for g, group in enumerate(optimizer.fp16_groups):
+        held = (torch._utils._unflatten_dense_tensors(optimizer.fp32_groups_flat[g], group)
+                if type(optimizer).__name__ == "FP16_Optimizer" else optimizer.fp32_groups[g])
+        masters.update({names[id(p)]: m for p, m in zip(group, held, strict=True)})
+    return masters
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +220,13 @@ def _stock(family: str):
 
 
 @pytest.mark.parametrize("name", [n for n, (family, config) in RUNS.items()
-                                  if family != "llama" and config["zero_optimization"]["stage"] > 0])
+                                  if family != "llama" and n != "zero0_fp32_ep2"])
 def test_export_is_deepspeeds_fp32_masters(trained, name):
+    """Without ZeRO in bf16 (DeepSpeed's FP16_Optimizer and FP16_UnfusedOptimizer, whose files name no parameter)
+    the export used to refuse the masters; it reads them by the names recorded at save time."""
     root, ranks = trained
     family, config = RUNS[name]
+    assert ranks[0][name]["optimizer"] == SIXTEEN_BIT_WRAPPERS.get(name, ranks[0][name]["optimizer"])
     ep_size = config["loongforge"]["moe"]["ep_size"]
     expected = _under_transformers_keys(_expected(ranks, name, ep_size))
     buffers = ranks[0][name]["buffers"]
@@ -262,23 +290,57 @@ def _weights_as_one_model(ranks: list, name: str) -> dict:
             for key, value in held[0].items()}
 
 
-def test_zero0_exports_fp32_weights_and_refuses_16bit_masters(trained):
-    """Without ZeRO the fp32 run's weights are its masters; a bf16 run's masters are in DeepSpeed's unfused
-    optimizer's own unnamed layout: asking for them is an error naming --source module, which exports the bf16
-    weights."""
+def test_zero0_fp32_export_is_the_weights(trained):
+    """Without ZeRO the fp32 run's weights are its masters."""
     root, ranks = trained
     got = load_state_dict(str(root / "ckpt" / "zero0_fp32_ep2"))
     want = _weights_as_one_model(ranks, "zero0_fp32_ep2")
     assert set(got) == set(want)
     for key, value in got.items():
         assert value.dtype == torch.float32 and torch.equal(value, want[key]), key
+
+
+@pytest.mark.parametrize("name", ["zero0_bf16_ep2", "zero0_bf16_ep2_deepspeed_adam"])
+def test_zero0_16bit_masters_need_their_names(trained, tmp_path, name):
+    """A bf16 checkpoint without ZeRO saved without the record of its masters' names (stock DeepSpeed, or an
+    earlier ds_loongforge) is an error naming --source module, which exports the bf16 weights; so is one whose
+    expert-parallel optimizer files are not all there, or whose masters are another save's."""
+    root, ranks = trained
+    checkpoint, step = _copy(trained, tmp_path, name)
+    model_file = step / "mp_rank_00_model_states.pt"
+    states = torch.load(model_file, weights_only=False)
+    record = states.pop(SIXTEEN_BIT_PARAMS_KEY)
+    assert record["optimizer"] == SIXTEEN_BIT_WRAPPERS[name]
+    torch.save(states, model_file)
     with pytest.raises(CheckpointExportError, match=r"holds no ZeRO optimizer files and its weights are "
-                                                    r"torch\.bfloat16.*--source module"):
-        load_state_dict(str(root / "ckpt" / "zero0_bf16_ep2"))
-    got = load_state_dict(str(root / "ckpt" / "zero0_bf16_ep2"), source="module")
-    want = _weights_as_one_model(ranks, "zero0_bf16_ep2")
+                                                    r"torch\.bfloat16.*without the record.*--source module"):
+        load_state_dict(str(checkpoint))
+    got = load_state_dict(str(checkpoint), source="module")
+    want = _weights_as_one_model(ranks, name)
     for key, value in got.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, want[key]), key
+
+    states[SIXTEEN_BIT_PARAMS_KEY] = record
+    torch.save(states, model_file)
+    load_state_dict(str(checkpoint))
+    last = step / "expp_rank_1_mp_rank_00_optim_states.pt"
+    kept = last.read_bytes()
+    last.unlink()
+    with pytest.raises(CheckpointExportError, match=r"has 4 experts and the 1 expert-parallel optimizer files hold 2"):
+        load_state_dict(str(checkpoint))
+    last.write_bytes(kept)
+    other = "zero0_bf16_ep2_deepspeed_adam" if name == "zero0_bf16_ep2" else "zero0_bf16_ep2"  # the other wrapper
+    shutil.copy(root / "ckpt" / other / f"step{STEPS}" / last.name, last)
+    with pytest.raises(CheckpointExportError, match=r"expp_rank_1_mp_rank_00_optim_states\.pt: its optimizer state "
+                                                    r"holds no FP16_\w+ fp32 masters"):
+        load_state_dict(str(checkpoint))
+
+
+def test_zero0_16bit_llama_export_has_transformers_keys(trained):
+    """FP16_Optimizer's flat masters of an injected Llama with MLP biases: the flat holds the fused MLP's
+    gate_up_proj weight then bias (not transformers' gate weight, gate bias, up weight, up bias); the export cuts
+    them by the recorded names into transformers' keys, the tied lm_head the embedding's master."""
+    _llama_export_is_the_masters(trained, "zero0_bf16_llama")
 
 
 def _llama_export_is_the_masters(trained, name: str) -> dict:

@@ -966,13 +966,12 @@ base = json.load(open(sys.argv[1]))
 first, second = (engine_for(base if block is None else {**base, "loongforge": block})
                  for block in (json.loads(arg) for arg in sys.argv[3:5]))
 print("optimizers:", type(first.optimizer).__name__, type(second.optimizer).__name__)
-
-
-
 for ids in batches[:2]:
     step(first, ids)
-first.save_checkpoint(out, tag="ckpt")
-second.load_checkpoint(out, tag="ckpt", load_optimizer_states=False)
+first.save_checkpoint(out, tag="ckpt", client_state={"user": 7})
+_, client_state = second.load_checkpoint(out, tag="ckpt", load_optimizer_states=False)
+# the masters' names ds_loongforge records for the export (with the package installed) are not the client's
+print("client state:", client_state.get("user"), "loongforge_16bit_optimizer_params" in client_state)
 result = {"saved": masters(first), "loaded": masters(second),
           **{key: {k: v.clone() for k, v in engine.module.state_dict().items()}
              for key, engine in (("weights", first), ("loaded_weights", second))}}
@@ -1059,6 +1058,9 @@ def test_load_without_optimizer_states_keeps_the_loaded_weights(tmp_path, autolo
     assert f"optimizers: {kind} {kind}" in output, output[-6000:]
     assert "loaded without its optimizer states (no ZeRO" in output and "set from the checkpoint's" in output, \
         output[-6000:]
+    assert "client state: 7 False" in output, output[-6000:]
+    saved = torch.load(tmp_path / "ckpt" / "ckpt" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert saved["loongforge_16bit_optimizer_params"]["optimizer"] == kind
     result = torch.load(tmp_path / "ckpt" / "result.pt")
     assert result["saved"].keys() == result["loaded"].keys()
     for name, value in result["saved"].items():
