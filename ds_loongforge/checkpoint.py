@@ -1052,8 +1052,10 @@ def _masters_from_checkpoint(engine, folder: str) -> None:
 def _saved_masters(engine, folder: str, flat: bool) -> list | None:
     """The checkpoint's fp32 masters for this engine's bf16/fp16 wrapper (FP16_Optimizer's flat groups when
     ``flat``, else FP16_UnfusedOptimizer's per-parameter lists) in this engine's order, each rounding to the weight
-    now loaded; else None."""
-    from ds_loongforge.export import CheckpointExportError, _model_states, _rounds_to
+    now loaded; else None. Saved in this engine's order, they are taken as saved; else by the names recorded at
+    save time (``_masters_by_name``: the other MLP layout or the other wrapper, with expert parallelism too); else,
+    for a checkpoint without that record, by the other MLP layout's order (not with expert parallelism)."""
+    from ds_loongforge.export import MODEL_FILE, CheckpointExportError, _model_states, _rounds_to
 
     optimizer = engine.optimizer
     # FP16_Optimizer's parameters are views of one flat 16-bit tensor a group
@@ -1079,26 +1081,71 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
         return True
 
     key = "fp32_groups_flat" if flat else "fp32_groups"
-    if getattr(engine, "has_moe_layers", False):  # one optimizer file per expert-parallel rank, as DeepSpeed loads it;
-        from deepspeed.utils import groups     # the other MLP layout's map reads the model file's: not for these
+    try:
+        states = _model_states(folder)
+    except CheckpointExportError:
+        return None
+    path = os.path.join(folder, MODEL_FILE)
+    if getattr(engine, "has_moe_layers", False):  # one optimizer file per expert-parallel rank, as DeepSpeed loads it
+        from deepspeed.utils import groups
 
         from ds_loongforge.export import _load
 
         rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
         path = os.path.join(folder, f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
         saved = _load(path).get("optimizer") if os.path.isfile(path) else None
-        return saved[key] if isinstance(saved, dict) and fits(saved.get(key)) else None
-    try:
-        saved = _model_states(folder).get("optimizer")
-    except CheckpointExportError:
-        return None
+    else:
+        saved = states.get("optimizer")
     if isinstance(saved, dict) and fits(saved.get(key)):
         return saved[key]
+    named = _masters_by_name(engine, states.get(SIXTEEN_BIT_PARAMS_KEY), saved, path, flat)
+    if named is not None and fits(named):  # saved in the other MLP layout, or by the other wrapper
+        return named
+    if getattr(engine, "has_moe_layers", False):  # the other MLP layout's map below reads the model file's state
+        return None
     try:
         converted = _unpartitioned_state_across_mlp_layout(engine, folder)  # saved in the other MLP layout
     except CheckpointLayoutError:  # the masters are in neither layout's order: the loaded weights give them
         return None
     return converted[key] if converted is not None and fits(converted.get(key)) else None
+
+
+def _masters_by_name(engine, record, saved, path: str, flat: bool) -> list | None:
+    """A checkpoint's fp32 masters of DeepSpeed's bf16/fp16 wrapper without ZeRO by the names recorded at save time
+    (``sixteen_bit_optimizer_params``), for this engine's wrapper (``flat``: FP16_Optimizer's flat groups, else
+    FP16_UnfusedOptimizer's lists) and parameter groups: each parameter's master by its name, a fused gate_up_proj's
+    joined from the saved gate_proj's and up_proj's, or a gate_proj's and up_proj's cut from a saved gate_up_proj's.
+    None without a record, or where a parameter has no master of its size in it (at another ep_size, say)."""
+    from ds_loongforge.export import CheckpointExportError, masters_by_record
+
+    if not isinstance(record, dict) or not isinstance(record.get("groups"), list):
+        return None
+    try:
+        by_name = masters_by_record(record, saved, path)
+    except CheckpointExportError:
+        return None
+    params = dict(engine.module.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+
+    def master(name: str | None) -> torch.Tensor | None:
+        if name in by_name:
+            return by_name[name]
+        parts = _mlp_parts(name) if name is not None else None
+        if parts is not None and all(part in by_name for part in parts):  # fused here, two there
+            return torch.cat([by_name[part] for part in parts])
+        half = _unfused_mlp_half(name, params) if name is not None else None
+        if half is not None and half[0] in by_name:  # two here, fused there
+            return by_name[half[0]].chunk(2)[half[1]]
+        return None
+
+    out = []
+    for group in engine.optimizer.fp16_groups:
+        masters = [master(names.get(id(p))) for p in group]
+        if any(m is None or m.numel() != p.numel() for m, p in zip(masters, group)):
+            return None
+        masters = [m.reshape(p.shape) for m, p in zip(masters, group)]
+        out.append(torch.cat([m.reshape(-1) for m in masters]) if flat else masters)
+    return out
 
 
 def _groups_in_other_mlp_layout(groups: list[list[str]], params: dict

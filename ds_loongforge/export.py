@@ -283,9 +283,8 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
             "without the record of which parameter each fp32 master is (DeepSpeed's bf16/fp16 optimizer without ZeRO "
             "saves them unnamed; ds_loongforge records the names when it is installed at save time). Export the "
             "weights the model ran with (source='module', --source module), or save with ds_loongforge installed")
-    flat = record.get("optimizer") == "FP16_Optimizer"
-    key = "fp32_groups_flat" if flat else "fp32_groups"
-    if states.get("num_experts"):  # an expert-parallel save: the optimizer state is in one file a rank
+    experts = {name: bool(expert) for group in record["groups"] for name, _, expert in group}
+    if states.get("num_experts"):  # an expert-parallel save: the optimizer state is in one file per rank
         paths = {}
         for path in glob.glob(os.path.join(folder, "expp_rank_*_mp_rank_00_optim_states.pt")):
             match = re.fullmatch(r"expp_rank_(\d+)_mp_rank_00_optim_states\.pt", os.path.basename(path))
@@ -301,34 +300,46 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
         files, optim = [os.path.join(folder, MODEL_FILE)], [states.get("optimizer")]
     masters: dict[str, list[torch.Tensor]] = {}
     for path, saved in zip(files, optim):
-        groups = saved.get(key) if isinstance(saved, dict) else None
-        if not isinstance(groups, list) or len(groups) != len(record["groups"]):
-            raise CheckpointExportError(
-                f"{path}: its optimizer state holds no {record.get('optimizer')} fp32 masters ('{key}') of "
-                f"{len(record['groups'])} parameter groups as the record beside them says (the optimizer not saved, "
-                "or files of two saves?); source='module' exports the saved weights alone")
-        for g, (group, params) in enumerate(zip(groups, record["groups"])):
-            sizes = [int(torch.Size(shape).numel()) for _, shape, _ in params]
-            pieces = (list(group.split(sizes)) if flat and torch.is_tensor(group) and group.numel() == sum(sizes)
-                      else list(group) if not flat and isinstance(group, (list, tuple)) and len(group) == len(sizes)
-                      else None)
-            if pieces is None or any(p.numel() != n for p, n in zip(pieces, sizes)):
-                raise CheckpointExportError(
-                    f"{path}: optimizer group {g}'s fp32 masters are not the {len(sizes)} parameters "
-                    f"({sum(sizes)} elements) the record names, {[name for name, _, _ in params][:3]}...: files of "
-                    "two saves? source='module' exports the saved weights alone")
-            for piece, (name, shape, expert) in zip(pieces, params):
-                held = masters.setdefault(name, [])
-                if expert or not held:  # dense parameters: rank 0's (every rank holds the same)
-                    held.append(piece.reshape(shape))
+        for name, master in masters_by_record(record, saved, path).items():
+            held = masters.setdefault(name, [])
+            if experts[name] or not held:  # dense parameters: rank 0's (every rank holds the same)
+                held.append(master)
     out = {name: torch.cat(pieces) if len(pieces) > 1 else pieces[0] for name, pieces in masters.items()}
-    for name in sorted({n for group in record["groups"] for n, _, expert in group if expert}):
+    for name in sorted(name for name, expert in experts.items() if expert):
         want = saved_weights.get(name)
         if want is not None and want.dim() and out[name].shape[0] != want.shape[0]:
             raise CheckpointExportError(
                 f"{folder}: {name} has {want.shape[0]} experts and the {len(files)} expert-parallel optimizer files "
                 f"hold {out[name].shape[0]} of them: the files of the other expert-parallel ranks are missing")
     return out, dict(record.get("shared_params") or {})
+
+
+def masters_by_record(record: dict, saved: dict | None, path: str) -> dict[str, torch.Tensor]:
+    """One optimizer file's fp32 masters of DeepSpeed's bf16/fp16 wrapper without ZeRO (``saved``: its state dict)
+    by the saving engine's parameter names, in the shapes the record gives (an expert-parallel rank's local
+    experts): FP16_Optimizer's flat groups cut, FP16_UnfusedOptimizer's lists taken. An error names ``path`` when
+    the state is not what the record says."""
+    flat = record.get("optimizer") == "FP16_Optimizer"
+    key = "fp32_groups_flat" if flat else "fp32_groups"
+    groups = saved.get(key) if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(record["groups"]):
+        raise CheckpointExportError(
+            f"{path}: its optimizer state holds no {record.get('optimizer')} fp32 masters ('{key}') of "
+            f"{len(record['groups'])} parameter groups as the record beside them says (the optimizer not saved, "
+            "or files of two saves?); source='module' exports the saved weights alone")
+    masters = {}
+    for g, (group, params) in enumerate(zip(groups, record["groups"])):
+        sizes = [int(torch.Size(shape).numel()) for _, shape, _ in params]
+        pieces = (list(group.split(sizes)) if flat and torch.is_tensor(group) and group.numel() == sum(sizes)
+                  else list(group) if not flat and isinstance(group, (list, tuple)) and len(group) == len(sizes)
+                  else None)
+        if pieces is None or any(not torch.is_tensor(p) or p.numel() != n for p, n in zip(pieces, sizes)):
+            raise CheckpointExportError(
+                f"{path}: optimizer group {g}'s fp32 masters are not the {len(sizes)} parameters "
+                f"({sum(sizes)} elements) the record names, {[name for name, _, _ in params][:3]}...: files of "
+                "two saves? source='module' exports the saved weights alone")
+        masters.update({name: piece.reshape(shape) for piece, (name, shape, _) in zip(pieces, params)})
+    return masters
 
 
 def _name_in_saved(name: str, tensor: torch.Tensor, saved: dict) -> dict[str, torch.Tensor]:
