@@ -679,32 +679,35 @@ def _across_mlp_layout_worker(rank, world, port, seed, ckpt_dir, out_dir):
     from tests.test_export import _sixteen_bit_wrapper_masters, _under_transformers_keys
 
     results = {}
-    for torch_adam in (True, False):  # FP16_UnfusedOptimizer around torch's AdamW, FP16_Optimizer around FusedAdam
-        for fused_first in (True, False):
-            engines = []
-            for fused in (fused_first, not fused_first):
-                torch.manual_seed(seed + len(engines))  # the second engine starts from other weights
-                model = build("qwen2_moe")
-                config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-                          "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
-                          "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": torch_adam}},
-                          "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
-                                         "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": False},
-                                         "sampler": {"expert_aware": False}}}
-                engines.append(ds_loongforge.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=config)[0])
-            first, second = engines
-            g = torch.Generator().manual_seed(seed + 1 + rank)
-            for _ in range(2):
-                ids = torch.randint(0, first.module.config.vocab_size, (2, 12), generator=g)
-                first.backward(first(input_ids=ids, labels=ids).loss)
-                first.step()
-            folder = f"{ckpt_dir}/adam{int(torch_adam)}_fused{int(fused_first)}"
-            first.save_checkpoint(folder, tag="step2")
-            second.load_checkpoint(folder, tag="step2", load_optimizer_states=False)
-            results[(type(second.optimizer).__name__, fused_first)] = {
-                "fused": [any(".gate_up_proj." in n for n, _ in e.module.named_parameters()) for e in engines],
-                "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) for e in engines]}
+    # torch_adam: FP16_UnfusedOptimizer around torch's AdamW, else FP16_Optimizer around FusedAdam; the last two cases
+    # save with one wrapper and load with the other
+    for torch_adam, fused_first in ((True, True), (True, False), (False, True), (False, False),
+                                    ((True, False), True), ((False, True), False)):
+        engines = []
+        for which, fused in enumerate((fused_first, not fused_first)):
+            torch.manual_seed(seed + which)  # the second engine starts from other weights
+            model = build("qwen2_moe")
+            adam = torch_adam[which] if isinstance(torch_adam, tuple) else torch_adam
+            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                      "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": adam}},
+                      "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
+                                     "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": False},
+                                     "sampler": {"expert_aware": False}}}
+            engines.append(ds_loongforge.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=config)[0])
+        first, second = engines
+        g = torch.Generator().manual_seed(seed + 1 + rank)
+        for _ in range(2):
+            ids = torch.randint(0, first.module.config.vocab_size, (2, 12), generator=g)
+            first.backward(first(input_ids=ids, labels=ids).loss)
+            first.step()
+        folder = f"{ckpt_dir}/case{len(results)}"
+        first.save_checkpoint(folder, tag="step2")
+        second.load_checkpoint(folder, tag="step2", load_optimizer_states=False)
+        results[(type(first.optimizer).__name__, type(second.optimizer).__name__, fused_first)] = {
+            "fused": [any(".gate_up_proj." in n for n, _ in e.module.named_parameters()) for e in engines],
+            "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) for e in engines]}
     torch.save(results, f"{out_dir}/across{rank}.pt")
 
 
@@ -712,15 +715,18 @@ def test_expert_parallel_load_without_optimizer_states_across_the_mlp_layout(tmp
     """The same load across the MLP layout (Qwen2-MoE's shared expert fused by LoongForge's SwiGLU in one engine,
     not in the other) with expert parallelism: the masters used to be set from the loaded 16-bit weights (the
     weights right, the fp32 masters' low bits lost), as only the model file's state had a map across the layout.
-    They are the checkpoint's now, by the parameter names recorded at save time, for both of DeepSpeed's wrappers."""
+    They are the checkpoint's now, by the parameter names recorded at save time, for both of DeepSpeed's wrappers,
+    and from one wrapper's save into the other."""
     world, seed = 2, int(torch.randint(0, 2**31, ()))
     _spawn(_across_mlp_layout_worker, world, seed, str(tmp_path / "ckpt"), str(tmp_path))
+    unfused, flat = "FP16_UnfusedOptimizer", "FP16_Optimizer"
     for rank in range(world):
         results = torch.load(tmp_path / f"across{rank}.pt")
-        assert {kind for kind, _ in results} == {"FP16_UnfusedOptimizer", "FP16_Optimizer"}
-        for (kind, fused_first), result in results.items():
-            assert result["fused"] == [fused_first, not fused_first]
+        assert set(results) == {(unfused, unfused, True), (unfused, unfused, False), (flat, flat, True),
+                                (flat, flat, False), (unfused, flat, True), (flat, unfused, False)}
+        for case, result in results.items():
+            assert result["fused"] == [case[2], not case[2]]
             saved, loaded = result["masters"]
             assert set(saved) == set(loaded) and any(".shared_expert.gate_proj." in n for n in saved)
             for name, value in saved.items():
-                assert torch.equal(loaded[name], value), f"{kind}, rank {rank}, saved fused {fused_first}: {name}"
+                assert torch.equal(loaded[name], value), f"{case}, rank {rank}: {name}"
