@@ -712,6 +712,28 @@ def _fit_client_scheduler_loads() -> None:
     patch_once(sys.modules.get("accelerate.accelerator"), "load_accelerator_state", load_accelerator_state)
 
 
+def _masters_and_weights(engine):
+    """(name, fp32 master, 16-bit weight) of each parameter this rank holds a master of: ZeRO-1/2's and
+    BF16_Optimizer's fragments (``_hp_mapping``), or the bf16/fp16 wrapper's masters without ZeRO."""
+    optimizer = engine.optimizer
+    if _sixteen_bit_wrapper(optimizer):
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        for g, group in enumerate(optimizer.fp16_groups):
+            if type(optimizer).__name__ == "FP16_Optimizer":
+                masters = optimizer.fp32_groups_flat[g].split([p.numel() for p in group])
+            else:
+                masters = optimizer.fp32_groups[g]
+            for p, master in zip(group, masters):
+                yield names.get(id(p), f"group {g} parameter"), master.view(p.shape), p.detach()
+        return
+    names = optimizer.param_names
+    for params in _lp_groups(optimizer):
+        for lp in params:
+            mapping = lp._hp_mapping
+            if mapping is not None:
+                yield names[lp], mapping.hp_fragment, mapping.lp_fragment
+
+
 def check_masters_match_weights(engine, folder: str) -> None:
     """Every fp32 master of this rank, rounded to its weight's dtype, is that weight (as after every step): the
     optimizer state belongs to these parameters. Collective: every rank raises, naming the first mismatches."""
@@ -719,18 +741,10 @@ def check_masters_match_weights(engine, folder: str) -> None:
 
     from ds_loongforge.export import _rounds_to
 
-    lp_groups = _lp_groups(engine.optimizer)
-    names = engine.optimizer.param_names
-    wrong = []
-    for params in lp_groups:
-        for lp in params:
-            mapping = lp._hp_mapping
-            if mapping is None:
-                continue
-            weight = mapping.lp_fragment  # the masters may live on the host (offload_optimizer)
-            if not _rounds_to(mapping.hp_fragment.to(weight.device), weight):
-                wrong.append(names[lp])
-    count = torch.tensor([len(wrong)], dtype=torch.int64, device=_device(lp_groups))
+    wrong = [name for name, master, weight in _masters_and_weights(engine)
+             if not _rounds_to(master.to(weight.device), weight)]  # the masters may live on the host (offload)
+    count = torch.tensor([len(wrong)], dtype=torch.int64, device=_device(_lp_groups(engine.optimizer)
+                                                                       or engine.optimizer.fp16_groups))
     dist.all_reduce(count)
     if count.item():
         raise CheckpointLayoutError(
@@ -885,6 +899,30 @@ def _copy_of(value):
     return {key: _own(v) for key, v in value.items()} if isinstance(value, dict) else _own(value)
 
 
+def _rank_optimizer_file(engine, folder: str) -> str:
+    """The file of this rank's optimizer state without ZeRO, as DeepSpeed loads it: the model file, or with expert
+    parallelism this expert-parallel rank's ``expp_rank_<e>_mp_rank_00_optim_states.pt`` (whose experts are its own;
+    the model file holds rank 0's state)."""
+    from ds_loongforge.export import MODEL_FILE
+
+    if not getattr(engine, "has_moe_layers", False):
+        return os.path.join(folder, MODEL_FILE)
+    from deepspeed.utils import groups
+
+    rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
+    return os.path.join(folder, f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
+
+
+def _rank_optimizer_state(engine, folder: str, states: dict):
+    """This rank's saved optimizer state without ZeRO (``_rank_optimizer_file``); ``states``: the model file's."""
+    from ds_loongforge.export import MODEL_FILE, _load
+
+    path = _rank_optimizer_file(engine, folder)
+    if os.path.basename(path) == MODEL_FILE:
+        return states.get("optimizer")
+    return _load(path).get("optimizer") if os.path.isfile(path) else None
+
+
 def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
     """Without ZeRO, DeepSpeed saves a torch optimizer's own state dict (fp32), or FP16_UnfusedOptimizer's (bf16 or
     fp16 with a client optimizer: that state dict plus a per-parameter fp32 master list), which know parameters by
@@ -914,7 +952,7 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         states = _model_states(folder)
     except CheckpointExportError:  # tensor or pipeline parallelism: DeepSpeed's own load says what it says
         return None
-    saved = states.get("optimizer")
+    saved = _rank_optimizer_state(engine, folder, states)
     params = {n: p for n, p in engine.module.named_parameters()}
     groups = [[names.get(id(p)) for p in group] for group in groups_of_params]
     if any(None in group for group in groups):
@@ -1055,7 +1093,7 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
     now loaded; else None. Saved in this engine's order, they are taken as saved; else by the names recorded at
     save time (``_masters_by_name``: the other MLP layout or the other wrapper, with expert parallelism too); else,
     for a checkpoint without that record, by the other MLP layout's order (not with expert parallelism)."""
-    from ds_loongforge.export import MODEL_FILE, CheckpointExportError, _model_states, _rounds_to
+    from ds_loongforge.export import CheckpointExportError, _model_states, _rounds_to
 
     optimizer = engine.optimizer
     # FP16_Optimizer's parameters are views of one flat 16-bit tensor a group
@@ -1085,17 +1123,8 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
         states = _model_states(folder)
     except CheckpointExportError:
         return None
-    path = os.path.join(folder, MODEL_FILE)
-    if getattr(engine, "has_moe_layers", False):  # one optimizer file per expert-parallel rank, as DeepSpeed loads it
-        from deepspeed.utils import groups
-
-        from ds_loongforge.export import _load
-
-        rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
-        path = os.path.join(folder, f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
-        saved = _load(path).get("optimizer") if os.path.isfile(path) else None
-    else:
-        saved = states.get("optimizer")
+    path = _rank_optimizer_file(engine, folder)
+    saved = _rank_optimizer_state(engine, folder, states)
     if isinstance(saved, dict) and fits(saved.get(key)):
         return saved[key]
     named = _masters_by_name(engine, states.get(SIXTEEN_BIT_PARAMS_KEY), saved, path, flat)
@@ -1530,6 +1559,8 @@ def _load_checkpoint(original, engine, load_dir, tag, load_module_strict, load_o
                 engine.optimizer.load_state_dict(converted)
                 _note("[LoongForge] %s: saved with the MLPs' gate and up projections in the other layout "
                       "(no ZeRO): the optimizer state mapped per parameter", folder)
+                if _sixteen_bit_wrapper(engine.optimizer):
+                    check_masters_match_weights(engine, folder)
             return result
     if not (mlp_renamed or (saved_here and sharded and wants_optimizer)):
         return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states,

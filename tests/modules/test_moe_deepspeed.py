@@ -680,15 +680,19 @@ def _across_mlp_layout_worker(rank, world, port, seed, ckpt_dir, out_dir):
 
     results = {}
     # torch_adam: FP16_UnfusedOptimizer around torch's AdamW, else FP16_Optimizer around FusedAdam; the last two cases
-    # save with one wrapper and load with the other
-    for torch_adam, fused_first in ((True, True), (True, False), (False, True), (False, False),
-                                    ((True, False), True), ((False, True), False)):
+    # save with one wrapper and load with the other. Then loads with the optimizer states: fp32 (torch's AdamW alone)
+    # and both wrappers
+    for torch_adam, fused_first, bf16, states in (
+            (True, True, True, False), (True, False, True, False), (False, True, True, False),
+            (False, False, True, False), ((True, False), True, True, False), ((False, True), False, True, False),
+            (True, True, False, True), (True, False, False, True), (True, True, True, True), (True, False, True, True),
+            (False, True, True, True)):
         engines = []
         for which, fused in enumerate((fused_first, not fused_first)):
             torch.manual_seed(seed + which)  # the second engine starts from other weights
             model = build("qwen2_moe")
             adam = torch_adam[which] if isinstance(torch_adam, tuple) else torch_adam
-            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
                       "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
                       "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": adam}},
                       "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
@@ -704,29 +708,64 @@ def _across_mlp_layout_worker(rank, world, port, seed, ckpt_dir, out_dir):
             first.step()
         folder = f"{ckpt_dir}/case{len(results)}"
         first.save_checkpoint(folder, tag="step2")
-        second.load_checkpoint(folder, tag="step2", load_optimizer_states=False)
-        results[(type(first.optimizer).__name__, type(second.optimizer).__name__, fused_first)] = {
+        second.load_checkpoint(folder, tag="step2", load_optimizer_states=states)
+        results[(type(first.optimizer).__name__, type(second.optimizer).__name__, fused_first, states)] = {
             "fused": [any(".gate_up_proj." in n for n, _ in e.module.named_parameters()) for e in engines],
-            "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) for e in engines]}
+            "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) if bf16 else {} for e in engines],
+            "moments": [_under_transformers_keys(_first_moments(e)) if states else {} for e in engines]}
     torch.save(results, f"{out_dir}/across{rank}.pt")
 
 
-def test_expert_parallel_load_without_optimizer_states_across_the_mlp_layout(tmp_path):
-    """The same load across the MLP layout (Qwen2-MoE's shared expert fused by LoongForge's SwiGLU in one engine,
-    not in the other) with expert parallelism: the masters used to be set from the loaded 16-bit weights (the
-    weights right, the fp32 masters' low bits lost), as only the model file's state had a map across the layout.
-    They are the checkpoint's now, by the parameter names recorded at save time, for both of DeepSpeed's wrappers,
-    and from one wrapper's save into the other."""
+def _first_moments(engine) -> dict:
+    """Adam's first moment of every parameter by name: torch's AdamW's own state at fp32, or the state of the
+    optimizer a bf16 wrapper holds, keyed by its fp32 masters."""
+    optimizer = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    if hasattr(optimizer, "fp32_groups_flat"):  # FP16_Optimizer: one flat moment a group
+        inner = optimizer.optimizer
+        return {names[id(p)]: m.view(p.shape).clone()
+                for g, group in enumerate(optimizer.fp16_groups)
+                for p, m in zip(group, inner.state[optimizer.fp32_groups_flat[g]]["exp_avg"].split(
+                    [q.numel() for q in group]))}
+    if hasattr(optimizer, "fp32_groups"):  # FP16_UnfusedOptimizer
+        pairs = [(names[id(p)], m) for g16, g32 in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                 for p, m in zip(g16, g32)]
+        inner = optimizer.optimizer
+    else:
+        pairs = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+        inner = optimizer
+    return {name: inner.state[m]["exp_avg"].clone() for name, m in pairs}
+
+
+def test_expert_parallel_checkpoint_without_zero_across_the_mlp_layout(tmp_path):
+    """Checkpoints without ZeRO across the MLP layout (Qwen2-MoE's shared expert fused by LoongForge's SwiGLU in one
+    engine, not in the other) with expert parallelism, on 2 ranks at ep_size 2.
+
+    - With the optimizer states, fp32 (torch's AdamW) and bf16 around it (FP16_UnfusedOptimizer): the map across
+      the layout read the model file's state, which is expert-parallel rank 0's, so rank 1's experts got rank 0's
+      masters and moments without a word, and the next step would have written rank 0's experts over rank 1's. Each
+      rank reads its own expert-parallel optimizer file now, and a 16-bit wrapper's masters are checked against the
+      loaded weights after the map.
+    - Without them: the masters used to be set from the loaded 16-bit weights (the weights right, the fp32 low bits
+      lost). They are the checkpoint's now, by the parameter names recorded at save time, for both of DeepSpeed's
+      wrappers, and from one wrapper's save into the other."""
     world, seed = 2, int(torch.randint(0, 2**31, ()))
     _spawn(_across_mlp_layout_worker, world, seed, str(tmp_path / "ckpt"), str(tmp_path))
     unfused, flat = "FP16_UnfusedOptimizer", "FP16_Optimizer"
     for rank in range(world):
         results = torch.load(tmp_path / f"across{rank}.pt")
-        assert set(results) == {(unfused, unfused, True), (unfused, unfused, False), (flat, flat, True),
-                                (flat, flat, False), (unfused, flat, True), (flat, unfused, False)}
+        assert set(results) == {(unfused, unfused, True, False), (unfused, unfused, False, False),
+                                (flat, flat, True, False), (flat, flat, False, False), (unfused, flat, True, False),
+                                (flat, unfused, False, False), ("AdamW", "AdamW", True, True),
+                                ("AdamW", "AdamW", False, True), (unfused, unfused, True, True),
+                                (unfused, unfused, False, True), (flat, flat, True, True)}
         for case, result in results.items():
             assert result["fused"] == [case[2], not case[2]]
-            saved, loaded = result["masters"]
-            assert set(saved) == set(loaded) and any(".shared_expert.gate_proj." in n for n in saved)
-            for name, value in saved.items():
-                assert torch.equal(loaded[name], value), f"{case}, rank {rank}: {name}"
+            for what in ("masters", "moments"):
+                saved, loaded = result[what]
+                if not saved:
+                    continue
+                assert set(saved) == set(loaded) and any(".shared_expert.gate_proj." in n for n in saved)
+                assert any(".experts." in n for n in saved)
+                for name, value in saved.items():
+                    assert torch.equal(loaded[name], value), f"{case}, rank {rank}: {what} of {name}"
