@@ -2,13 +2,15 @@
 
 - Expert-parallel checkpoints of injected models (Mixtral: ZeRO-2 bf16 + FusedAdamWClip with ep_size 2 in both
   of DeepSpeed's group layouts, ZeRO-1 fp32 with DeepSpeed's AdamW and ep_size 4, ep_size 1, ZeRO-1 bf16 under
-  DeepSpeed's BF16_Optimizer (fp32 gradient accumulation) at ep_size 2; Qwen2-MoE and
+  DeepSpeed's BF16_Optimizer (fp32 gradient accumulation) at ep_size 2, ZeRO-0 bf16 at ep_size 2 under
+  FP16_UnfusedOptimizer and FP16_Optimizer (whose masters, by the names recorded at save time, are compared with
+  the wrapper's live ones); Qwen2-MoE and
   DeepSeek-V3, with shared experts, dense MLP layers and a router buffer, at ep_size 2): the export equals, bit for
   bit, the fp32 masters DeepSpeed itself assembles at run time (``safe_get_full_fp32_param`` on each rank, every
   expert-parallel rank's experts concatenated in order), under transformers' keys, and loads strictly into the
   stock model; ``from_pretrained`` reads the written folder back.
 - A dense injected Llama (fused gate/up MLP with biases, tied embeddings, a frozen weight and a frozen fused MLP),
-  under ZeRO-2 and ZeRO-3: the fused gate_up master comes out as transformers' gate_proj / up_proj, the tied
+  under ZeRO-2, ZeRO-3 and ZeRO-0 bf16 (FP16_Optimizer's flat masters): the fused gate_up master comes out as transformers' gate_proj / up_proj, the tied
   lm_head as the embedding's master, the frozen weights as saved (the frozen gate_up_proj cut as the master is).
 - What must be an error: a missing rank's optimizer file, a missing expert's file or MoE layer, files of two
   different saves, a bad config. What must not: NaN masters (a diverged run), a checkpoint without its frozen
@@ -304,7 +306,7 @@ def test_zero0_fp32_export_is_the_weights(trained):
 def test_zero0_16bit_masters_need_their_names(trained, tmp_path, name):
     """A bf16 checkpoint without ZeRO saved without the record of its masters' names (stock DeepSpeed, or an
     earlier ds_loongforge) is an error naming --source module, which exports the bf16 weights; so is one whose
-    expert-parallel optimizer files are not all there, or whose masters are another save's."""
+    expert-parallel optimizer files are not all there, or whose masters are another save's (the other wrapper's)."""
     root, ranks = trained
     checkpoint, step = _copy(trained, tmp_path, name)
     model_file = step / "mp_rank_00_model_states.pt"
