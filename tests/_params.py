@@ -52,3 +52,15 @@ def draw_without_router_near_tie(draw: Callable[[], torch.Tensor],
         if min_topk_gap(router_logits(x), k) >= gap:
             return x
     raise AssertionError(f"100 draws all had a router near-tie below {gap}: degenerate router weights")
+
+
+def adam_first_step_excess(before: torch.Tensor, after: torch.Tensor, lr: float, weight_decay: float) -> float:
+    """How far 16-bit weights moved by one first (AdamW) step beyond what that step allows: each master moves by at
+    most lr plus the decay lr * weight_decay * |w|, and the weights before and after are masters rounded to the
+    16-bit dtype, each within half an ulp of its own (an ulp of the larger of the two, bf16's 8 significant bits).
+    At most ~0 for a run that continued from the loaded weights; about the distance to the engine's initial weights
+    for one whose masters were not the checkpoint's."""
+    before, after = before.float(), after.float()
+    big = torch.maximum(before.abs(), after.abs()).clamp_min(2.0**-126)
+    ulp = torch.exp2(torch.floor(torch.log2(big)) - 7)
+    return ((after - before).abs() - lr * (1 + weight_decay * before.abs()) - ulp).max().item()
