@@ -774,7 +774,9 @@ def _check_unpartitioned_ep_size(engine, folder: str) -> None:
 
     from ds_loongforge.modules.moe_deepspeed import DeepSpeedStackedExperts
 
-    saved = len(glob.glob(os.path.join(folder, "expp_rank_*_mp_rank_00_optim_states.pt")))
+    from ds_loongforge.export import EXPERT_OPTIM_FILES_GLOB
+
+    saved = len(glob.glob(os.path.join(folder, EXPERT_OPTIM_FILES_GLOB)))
     sizes = {m.ep_size for m in engine.module.modules() if isinstance(m, DeepSpeedStackedExperts)}
     if saved and sizes and sizes != {saved}:
         raise CheckpointLayoutError(
@@ -903,14 +905,14 @@ def _rank_optimizer_file(engine, folder: str) -> str:
     """The file of this rank's optimizer state without ZeRO, as DeepSpeed loads it: the model file, or with expert
     parallelism this expert-parallel rank's ``expp_rank_<e>_mp_rank_00_optim_states.pt`` (whose experts are its own;
     the model file holds rank 0's state)."""
-    from ds_loongforge.export import MODEL_FILE
+    from ds_loongforge.export import MODEL_FILE, expert_optimizer_file
 
     if not getattr(engine, "has_moe_layers", False):
         return os.path.join(folder, MODEL_FILE)
     from deepspeed.utils import groups
 
     rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
-    return os.path.join(folder, f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return os.path.join(folder, expert_optimizer_file(rank))
 
 
 def _rank_optimizer_state(engine, folder: str, states: dict):

@@ -61,6 +61,16 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 # DeepSpeedEngine._get_expert_ckpt_name / _get_zero_ckpt_name (bf16_ / fp16 prefixes vary by optimizer)
 EXPERT_FILES_GLOB = "layer_*_expert_*_mp_rank_00_model_states.pt"
 EXPERT_FILE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_00_model_states\.pt$")
+# DeepSpeedEngine._get_optimizer_ckpt_name: without ZeRO, one optimizer file per expert-parallel rank
+EXPERT_OPTIM_FILES_GLOB = "expp_rank_*_mp_rank_00_optim_states.pt"
+EXPERT_OPTIM_FILE = re.compile(r"^expp_rank_(?P<rank>\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def expert_optimizer_file(rank: int) -> str:
+    """Expert-parallel rank ``rank``'s optimizer file without ZeRO."""
+    return f"expp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
 ZERO_FILE = re.compile(r"^(?:\w+_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_00_optim_states\.pt$")
 EXPERT_KEY = re.compile(r"^(?P<module>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<expert>\d+)\."
                         r"(?P<param>[^.]+)$")
@@ -286,10 +296,10 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
     experts = {name: bool(expert) for group in record["groups"] for name, _, expert in group}
     if states.get("num_experts"):  # an expert-parallel save: the optimizer state is in one file per rank
         paths = {}
-        for path in glob.glob(os.path.join(folder, "expp_rank_*_mp_rank_00_optim_states.pt")):
-            match = re.fullmatch(r"expp_rank_(\d+)_mp_rank_00_optim_states\.pt", os.path.basename(path))
+        for path in glob.glob(os.path.join(folder, EXPERT_OPTIM_FILES_GLOB)):
+            match = EXPERT_OPTIM_FILE.match(os.path.basename(path))
             if match:
-                paths[int(match[1])] = path
+                paths[int(match["rank"])] = path
         if not paths or sorted(paths) != list(range(len(paths))):
             raise CheckpointExportError(
                 f"{folder}: the expert-parallel optimizer files (expp_rank_<e>_mp_rank_00_optim_states.pt) of ranks "
