@@ -232,15 +232,38 @@ def _other_mlp_layout(saved, name: str, key: str) -> torch.Tensor:
     """``saved.tensor(name, key)`` for a parameter the checkpoint holds in the other MLP layout: an MLP's
     ``gate_up_proj`` saved as ``gate_proj`` and ``up_proj`` (a run without LoongForge's fused MLP) is their rows
     joined; the other way, each is its half."""
-    fused = fused_mlp_parts(name, saved.shapes)
-    if fused is not None:
-        return torch.cat([saved.tensor(part, key) for part in fused])
-    split = split_mlp_part(name, saved.shapes)
-    if split is not None:
-        whole, half = split
-        return saved.tensor(whole, key).chunk(2)[half]
-    raise CheckpointLayoutError(f"{saved.folder}: the checkpoint's optimizer holds no parameter named {name} "
-                                "(saved from another model?)")
+    value = in_either_mlp_layout(name, saved.shapes, lambda n: saved.tensor(n, key))
+    if value is None:
+        raise CheckpointLayoutError(f"{saved.folder}: the checkpoint's optimizer holds no parameter named {name} "
+                                    "(saved from another model?)")
+    return value
+
+
+def _join_rows(gate, up):
+    return torch.cat([gate, up])
+
+
+def _cut_rows(whole, half: int):
+    return whole.chunk(2)[half]
+
+
+def in_either_mlp_layout(name: str, held, fetch, join=_join_rows, cut=_cut_rows):
+    """``name``'s value from a checkpoint holding the names ``held``, in either MLP layout: ``fetch(name)``; or an
+    MLP's ``gate_up_proj`` saved as ``gate_proj`` and ``up_proj`` (a run without LoongForge's fused MLP),
+    ``join(gate's, up's)``; or a ``gate_proj`` / ``up_proj`` saved as one ``gate_up_proj``, ``cut(its, 0 or 1)``
+    (rows [gate; up] joined and halved by default). None where the checkpoint holds neither, or ``fetch`` gives
+    None for a name it needs (a parameter without optimizer state)."""
+    if name in held:
+        return fetch(name)
+    parts = fused_mlp_parts(name, held)
+    if parts is not None:
+        values = [fetch(part) for part in parts]
+        return None if any(value is None for value in values) else join(*values)
+    half = split_mlp_part(name, held)
+    if half is not None:
+        whole = fetch(half[0])
+        return None if whole is None else cut(whole, half[1])
+    return None
 
 
 def _mlp_parts(name: str) -> list[str] | None:
@@ -982,37 +1005,30 @@ def _unpartitioned_state_across_mlp_layout(engine, folder: str) -> dict | None:
         if any(t is not None and t.shape != shapes[name] for t in (moment, master)):
             return None
 
-    def mapped(name: str, fetch):
-        """This engine's parameter ``name`` from ``fetch(saved name)``, a tensor or a parameter's state dict: the
-        two saved halves joined, the saved whole cut, or the same; tensors of its own (torch's AdamW counts a
-        parameter's step in place); None where the saved run had nothing."""
-        parts = _mlp_parts(name)
-        if parts is not None:
-            parts = [fetch(part) for part in parts]
-            if any(part is None for part in parts):
-                return None
-            join = lambda a, b: torch.cat([a, b]) if _per_element(a) else _own(a)  # noqa: E731 (a step: the gate's)
-            return ({key: join(value, parts[1][key]) for key, value in parts[0].items()}
-                    if isinstance(parts[0], dict) else join(*parts))
-        if name in saved_index:
-            value = fetch(name)
-            return None if value is None else _copy_of(value)
-        whole, half = _unfused_mlp_half(name, params)
-        value = fetch(whole)
-        if value is None:
-            return None
-        cut = lambda v: v.chunk(2)[half].clone() if _per_element(v) else _own(v)  # noqa: E731
-        return {key: cut(v) for key, v in value.items()} if isinstance(value, dict) else cut(value)
+    def join(a, b):  # a parameter's state dict, or a tensor; a step counter is the gate's, as a tensor of its own
+        pair = lambda x, y: torch.cat([x, y]) if _per_element(x) else _own(x)  # noqa: E731
+        return {key: pair(value, b[key]) for key, value in a.items()} if isinstance(a, dict) else pair(a, b)
+
+    def cut(whole, half: int):
+        part = lambda v: v.chunk(2)[half].clone() if _per_element(v) else _own(v)  # noqa: E731
+        return {key: part(v) for key, v in whole.items()} if isinstance(whole, dict) else part(whole)
+
+    def mapped(name: str, held: dict, fetch):
+        """This engine's parameter ``name`` from ``fetch(saved name)`` over the saved names ``held``: a tensor or
+        a parameter's state dict, the two saved halves joined, the saved whole cut, or the same; tensors of its own
+        (torch's AdamW counts a parameter's step in place); None where the saved run had nothing."""
+        value = in_either_mlp_layout(name, held, fetch, join, cut)
+        return _copy_of(value) if name in held and value is not None else value
 
     state, param_groups, masters, index = {}, [], [], 0
     for group, saved_group in zip(groups, inner["param_groups"]):
         indices, group_masters = [], []
         for name in group:
-            held = mapped(name, lambda n: inner["state"].get(saved_index[n]))
+            held = mapped(name, saved_index, lambda n: inner["state"].get(saved_index[n]))
             if held is not None:
                 state[index] = held
             if wrapped:
-                group_masters.append(mapped(name, saved_master.get))
+                group_masters.append(mapped(name, saved_master, saved_master.get))
             indices.append(index)
             index += 1
         param_groups.append({**saved_group, "params": indices})
@@ -1159,15 +1175,7 @@ def _masters_by_name(engine, record, saved, path: str, flat: bool) -> list | Non
     names = {id(p): n for n, p in params.items()}
 
     def master(name: str | None) -> torch.Tensor | None:
-        if name in by_name:
-            return by_name[name]
-        parts = _mlp_parts(name) if name is not None else None
-        if parts is not None and all(part in by_name for part in parts):  # fused here, two there
-            return torch.cat([by_name[part] for part in parts])
-        half = _unfused_mlp_half(name, params) if name is not None else None
-        if half is not None and half[0] in by_name:  # two here, fused there
-            return by_name[half[0]].chunk(2)[half[1]]
-        return None
+        return None if name is None else in_either_mlp_layout(name, by_name, by_name.get)
 
     out = []
     for group in engine.optimizer.fp16_groups:
@@ -1349,13 +1357,7 @@ def _frozen_in_engine_layout(engine, folder: str, fragments: dict) -> dict:
         shapes, saved = fragments, fragments.__getitem__
     out, partition_group = {}, getattr(engine.optimizer, "_get_param_partition_group", None)
     for name, param in frozen.items():
-        if name in shapes:
-            whole = saved(name)
-        elif (parts := fused_mlp_parts(name, shapes)) is not None:
-            whole = torch.cat([saved(part) for part in parts])
-        else:
-            fused, half = split_mlp_part(name, shapes)
-            whole = saved(fused).chunk(2)[half]
+        whole = in_either_mlp_layout(name, shapes, saved)  # every missing name was checked to be in one above
         shape = param.ds_shape if partitioned else param.shape
         if whole.shape != shape:
             raise CheckpointLayoutError(f"{folder}: the frozen parameter {name} was saved as {tuple(whole.shape)}, "
