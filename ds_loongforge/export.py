@@ -294,20 +294,7 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
             "saves them unnamed; ds_loongforge records the names when it is installed at save time). Export the "
             "weights the model ran with (source='module', --source module), or save with ds_loongforge installed")
     experts = {name: bool(expert) for group in record["groups"] for name, _, expert in group}
-    if states.get("num_experts"):  # an expert-parallel save: the optimizer state is in one file per rank
-        paths = {}
-        for path in glob.glob(os.path.join(folder, EXPERT_OPTIM_FILES_GLOB)):
-            match = EXPERT_OPTIM_FILE.match(os.path.basename(path))
-            if match:
-                paths[int(match["rank"])] = path
-        if not paths or sorted(paths) != list(range(len(paths))):
-            raise CheckpointExportError(
-                f"{folder}: the expert-parallel optimizer files (expp_rank_<e>_mp_rank_00_optim_states.pt) of ranks "
-                f"{sorted(paths)} are there; those of ranks 0..{max(paths, default=0)} are needed")
-        files = [paths[r] for r in sorted(paths)]
-        optim = [_load(path).get("optimizer") for path in files]
-    else:
-        files, optim = [os.path.join(folder, MODEL_FILE)], [states.get("optimizer")]
+    files, optim = sixteen_bit_optimizer_files(folder, states)
     masters: dict[str, list[torch.Tensor]] = {}
     for path, saved in zip(files, optim):
         for name, master in masters_by_record(record, saved, path).items():
@@ -322,6 +309,25 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
                 f"{folder}: {name} has {want.shape[0]} experts and the {len(files)} expert-parallel optimizer files "
                 f"hold {out[name].shape[0]} of them: the files of the other expert-parallel ranks are missing")
     return out, dict(record.get("shared_params") or {})
+
+
+def sixteen_bit_optimizer_files(folder: str, states: dict) -> tuple[list[str], list]:
+    """The optimizer files of a checkpoint saved without ZeRO and their optimizer states (memory-mapped): the model
+    file's, or with expert parallelism one ``expp_rank_<e>_mp_rank_00_optim_states.pt`` per expert-parallel rank,
+    in rank order (an error when a rank's is missing)."""
+    if not states.get("num_experts"):
+        return [os.path.join(folder, MODEL_FILE)], [states.get("optimizer")]
+    paths = {}
+    for path in glob.glob(os.path.join(folder, EXPERT_OPTIM_FILES_GLOB)):
+        match = EXPERT_OPTIM_FILE.match(os.path.basename(path))
+        if match:
+            paths[int(match["rank"])] = path
+    if not paths or sorted(paths) != list(range(len(paths))):
+        raise CheckpointExportError(
+            f"{folder}: the expert-parallel optimizer files (expp_rank_<e>_mp_rank_00_optim_states.pt) of ranks "
+            f"{sorted(paths)} are there; those of ranks 0..{max(paths, default=0)} are needed")
+    files = [paths[r] for r in sorted(paths)]
+    return files, [_load(path).get("optimizer") for path in files]
 
 
 def masters_by_record(record: dict, saved: dict | None, path: str) -> dict[str, torch.Tensor]:

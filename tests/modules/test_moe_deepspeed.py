@@ -770,3 +770,111 @@ def test_expert_parallel_checkpoint_without_zero_across_the_mlp_layout(tmp_path)
                 assert any(".experts." in n for n in saved)
                 for name, value in saved.items():
                     assert torch.equal(loaded[name], value), f"{case}, rank {rank}: {what} of {name}"
+
+
+def _expert_offsets(engine) -> dict:
+    """The global index of the first expert each stacked expert parameter of this rank holds, by transformers' key
+    (expert-parallel rank x local experts; 0 where every expert is here)."""
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.utils import groups
+
+    from ds_loongforge.modules.moe import StackedExperts
+
+    offsets = {}
+    for prefix, module in engine.module.named_modules():
+        if isinstance(module, StackedExperts):
+            for leaf, param in module.named_parameters(recurse=False):
+                ep_rank = groups._get_expert_parallel_rank(param.group_name) if is_moe_param(param) else 0
+                offsets[f"{prefix}.{leaf}"] = ep_rank * param.shape[0]
+    return offsets
+
+
+def _across_expert_layouts_worker(rank, world, port, seed, cases, ckpt_dir, out_dir):
+    _setup_env(rank, world, port)
+    import ds_loongforge
+    from tests.integrations.test_inject import build
+    from tests.test_export import _sixteen_bit_wrapper_masters, _under_transformers_keys
+
+    results = []
+    for save_ep, load_ep, adams, fused_first in cases:
+        engines = []
+        for which, (ep_size, adam, fused) in enumerate(zip((save_ep, load_ep), adams, (fused_first, not fused_first))):
+            torch.manual_seed(seed + which)  # the second engine starts from other weights
+            model = build("qwen2_moe")
+            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                      "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": adam}},
+                      "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
+                                     "moe": {"ep_size": ep_size}, "optimizer": {"fused_adamw_clip": False},
+                                     "sampler": {"expert_aware": False}}}
+            engines.append(ds_loongforge.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=config)[0])
+        first, second = engines
+        g = torch.Generator().manual_seed(seed + 1 + rank)
+        for _ in range(2):
+            ids = torch.randint(0, first.module.config.vocab_size, (2, 12), generator=g)
+            first.backward(first(input_ids=ids, labels=ids).loss)
+            first.step()
+        folder = f"{ckpt_dir}/case{len(results)}"
+        first.save_checkpoint(folder, tag="step2")
+        second.load_checkpoint(folder, tag="step2", load_optimizer_states=False)
+        results.append({"case": (save_ep, load_ep, type(first.optimizer).__name__, type(second.optimizer).__name__),
+                        "fused": [any(".gate_up_proj." in n for n, _ in e.module.named_parameters()) for e in engines],
+                        "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) for e in engines],
+                        "weights": {n: p.detach().clone() for n, p in second.module.state_dict().items()},
+                        "offsets": [_expert_offsets(e) for e in engines]})
+    torch.save(results, f"{out_dir}/layouts{rank}.pt")
+
+
+# (saving ep_size, loading ep_size, torch_adam of each: FP16_UnfusedOptimizer around torch's AdamW, else
+# FP16_Optimizer around FusedAdam, whether the saving engine's shared expert is fused by LoongForge's SwiGLU);
+# ep_size 1: every expert on every rank, which DeepSpeed does not see as MoE
+EXPERT_LAYOUT_CASES = {2: [(2, 1, (True, False), True), (1, 2, (False, True), False), (2, 1, (False, False), False),
+                           (1, 2, (True, True), True)],
+                       4: [(2, 4, (True, True), True), (4, 2, (False, False), False)]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sixteen_bit_masters_load_without_states_at_another_expert_layout(tmp_path, world):
+    """A bf16 checkpoint without ZeRO loaded with load_optimizer_states=False at another expert layout: on 2 ranks
+    ep_size 2 -> 1 (every expert on every rank) and 1 -> 2 (our load across the sharding), on 4 ranks 2 -> 4 and
+    4 -> 2 (DeepSpeed's load); each across the MLP layout too (Qwen2-MoE's shared expert fused on one side), with
+    both of DeepSpeed's bf16 wrappers and from each into the other.
+
+    - Across the sharding, DeepSpeed's load kept the loading engine's own fp32 masters without a word: the next step
+      would have written the engine's initial weights, updated, over the checkpoint's.
+    - At another ep_size the masters were set from the loaded bf16 weights (the fp32 low bits lost).
+    Both now take the checkpoint's masters by the names recorded at save time, each rank's experts cut from the
+    saved expert-parallel ranks' files in global order."""
+    seed, cases = int(torch.randint(0, 2**31, ())), EXPERT_LAYOUT_CASES[world]
+    spawn_with_deadline(_across_expert_layouts_worker, world, seed, cases, str(tmp_path / "ckpt"), str(tmp_path),
+                        timeout_s=150 * world)
+    per_rank = [torch.load(tmp_path / f"layouts{rank}.pt") for rank in range(world)]
+    for c, case in enumerate(per_rank[0]):
+        save_ep, load_ep, saving, loading = case["case"]
+        # the saving run's masters, every expert in global order, from all ranks' local ones
+        whole = {}
+        for rank in range(world):
+            result = per_rank[rank][c]
+            assert result["fused"] == [cases[c][3], not cases[c][3]]
+            for name, master in result["masters"][0].items():
+                offset = result["offsets"][0].get(name)
+                if offset is None:
+                    whole.setdefault(name, master)
+                    assert torch.equal(whole[name], master), f"{case['case']}: rank {rank}'s dense {name}"
+                else:
+                    whole.setdefault(name, {})[offset] = master
+        whole = {name: torch.cat([value[o] for o in sorted(value)]) if isinstance(value, dict) else value
+                 for name, value in whole.items()}
+        experts = [name for name in whole if ".experts." in name]
+        assert experts and all(whole[name].shape[0] == 4 for name in experts)
+        for rank in range(world):
+            result = per_rank[rank][c]
+            loaded = result["masters"][1]
+            assert set(loaded) == set(whole) and any(".shared_expert.gate_proj." in n for n in loaded)
+            for name, master in loaded.items():
+                offset = result["offsets"][1].get(name)
+                want = whole[name] if offset is None else whole[name][offset:offset + master.shape[0]]
+                assert torch.equal(master, want), f"{case['case']}, rank {rank}: master of {name}"
+                if name in result["weights"]:  # and it is the weight the load gave (the low bits on top)
+                    assert torch.equal(master.to(torch.bfloat16), result["weights"][name]), name
