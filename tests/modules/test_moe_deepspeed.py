@@ -673,10 +673,37 @@ def test_expert_parallelism_under_zero_3_names_the_setting(tmp_path):
         assert result["unchanged"]
 
 
-def _across_mlp_layout_worker(rank, world, port, seed, ckpt_dir, out_dir):
-    _setup_env(rank, world, port)
+def _saved_and_loaded(seed: int, rank: int, folder: str, bf16: bool, states: bool, engines: list) -> list:
+    """Two Qwen2-MoE engines without ZeRO, each (ep_size, torch_adam: FP16_UnfusedOptimizer around torch's AdamW in
+    bf16, else FP16_Optimizer around FusedAdam; its shared expert fused by LoongForge's SwiGLU), the second from other
+    weights: the first trains two steps and saves, the second loads (with the optimizer states or not)."""
     import ds_loongforge
     from tests.integrations.test_inject import build
+
+    built = []
+    for which, (ep_size, adam, fused) in enumerate(engines):
+        torch.manual_seed(seed + which)  # the second engine starts from other weights
+        model = build("qwen2_moe")
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
+                  "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": adam}},
+                  "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
+                                 "moe": {"ep_size": ep_size}, "optimizer": {"fused_adamw_clip": False},
+                                 "sampler": {"expert_aware": False}}}
+        built.append(ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)[0])
+    first, second = built
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    for _ in range(2):
+        ids = torch.randint(0, first.module.config.vocab_size, (2, 12), generator=g)
+        first.backward(first(input_ids=ids, labels=ids).loss)
+        first.step()
+    first.save_checkpoint(folder, tag="step2")
+    second.load_checkpoint(folder, tag="step2", load_optimizer_states=states)
+    return built
+
+
+def _across_mlp_layout_worker(rank, world, port, seed, ckpt_dir, out_dir):
+    _setup_env(rank, world, port)
     from tests.test_export import _sixteen_bit_wrapper_masters, _under_transformers_keys
 
     results = {}
@@ -688,28 +715,10 @@ def _across_mlp_layout_worker(rank, world, port, seed, ckpt_dir, out_dir):
             (False, False, True, False), ((True, False), True, True, False), ((False, True), False, True, False),
             (True, True, False, True), (True, False, False, True), (True, True, True, True), (True, False, True, True),
             (False, True, True, True)):
-        engines = []
-        for which, fused in enumerate((fused_first, not fused_first)):
-            torch.manual_seed(seed + which)  # the second engine starts from other weights
-            model = build("qwen2_moe")
-            adam = torch_adam[which] if isinstance(torch_adam, tuple) else torch_adam
-            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
-                      "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
-                      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": adam}},
-                      "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
-                                     "moe": {"ep_size": 2}, "optimizer": {"fused_adamw_clip": False},
-                                     "sampler": {"expert_aware": False}}}
-            engines.append(ds_loongforge.initialize(model=model, model_parameters=model.parameters(),
-                                                    config=config)[0])
+        adams = torch_adam if isinstance(torch_adam, tuple) else (torch_adam, torch_adam)
+        engines = _saved_and_loaded(seed, rank, f"{ckpt_dir}/case{len(results)}", bf16, states,
+                                    [(2, adam, fused) for adam, fused in zip(adams, (fused_first, not fused_first))])
         first, second = engines
-        g = torch.Generator().manual_seed(seed + 1 + rank)
-        for _ in range(2):
-            ids = torch.randint(0, first.module.config.vocab_size, (2, 12), generator=g)
-            first.backward(first(input_ids=ids, labels=ids).loss)
-            first.step()
-        folder = f"{ckpt_dir}/case{len(results)}"
-        first.save_checkpoint(folder, tag="step2")
-        second.load_checkpoint(folder, tag="step2", load_optimizer_states=states)
         results[(type(first.optimizer).__name__, type(second.optimizer).__name__, fused_first, states)] = {
             "fused": [any(".gate_up_proj." in n for n, _ in e.module.named_parameters()) for e in engines],
             "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) if bf16 else {} for e in engines],
@@ -791,33 +800,13 @@ def _expert_offsets(engine) -> dict:
 
 def _across_expert_layouts_worker(rank, world, port, seed, cases, ckpt_dir, out_dir):
     _setup_env(rank, world, port)
-    import ds_loongforge
-    from tests.integrations.test_inject import build
     from tests.test_export import _sixteen_bit_wrapper_masters, _under_transformers_keys
 
     results = []
     for save_ep, load_ep, adams, fused_first in cases:
-        engines = []
-        for which, (ep_size, adam, fused) in enumerate(zip((save_ep, load_ep), adams, (fused_first, not fused_first))):
-            torch.manual_seed(seed + which)  # the second engine starts from other weights
-            model = build("qwen2_moe")
-            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-                      "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
-                      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": adam}},
-                      "loongforge": {"enabled": True, "strict_ops": False, "fused_kernels": {"swiglu": fused},
-                                     "moe": {"ep_size": ep_size}, "optimizer": {"fused_adamw_clip": False},
-                                     "sampler": {"expert_aware": False}}}
-            engines.append(ds_loongforge.initialize(model=model, model_parameters=model.parameters(),
-                                                    config=config)[0])
+        engines = _saved_and_loaded(seed, rank, f"{ckpt_dir}/case{len(results)}", True, False,
+                                    [(save_ep, adams[0], fused_first), (load_ep, adams[1], not fused_first)])
         first, second = engines
-        g = torch.Generator().manual_seed(seed + 1 + rank)
-        for _ in range(2):
-            ids = torch.randint(0, first.module.config.vocab_size, (2, 12), generator=g)
-            first.backward(first(input_ids=ids, labels=ids).loss)
-            first.step()
-        folder = f"{ckpt_dir}/case{len(results)}"
-        first.save_checkpoint(folder, tag="step2")
-        second.load_checkpoint(folder, tag="step2", load_optimizer_states=False)
         results.append({"case": (save_ep, load_ep, type(first.optimizer).__name__, type(second.optimizer).__name__),
                         "fused": [any(".gate_up_proj." in n for n, _ in e.module.named_parameters()) for e in engines],
                         "masters": [_under_transformers_keys(_sixteen_bit_wrapper_masters(e)) for e in engines],
