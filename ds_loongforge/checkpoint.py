@@ -901,9 +901,10 @@ def _load_across_sharding(original, engine, load_dir, tag, folder, load_optimize
                     torch.distributed.get_world_size(), loaded_how)
     elif not load_module_only and _sixteen_bit_wrapper(engine.optimizer):
         # without ZeRO DeepSpeed's load keeps the wrapper's own fp32 masters, which the next step would write over
-        # the weights just loaded (load_module_only refreshes them from the weights)
+        # the weights just loaded (load_module_only refreshes them from the weights); set from the checkpoint's,
+        # each checked to round to its loaded weight, or from the weights
         _masters_from_checkpoint(engine, folder)
-    if _lp_groups(engine.optimizer) is not None or _sixteen_bit_wrapper(engine.optimizer):
+    if _lp_groups(engine.optimizer) is not None:
         check_masters_match_weights(engine, folder)
     return result
 
@@ -1113,10 +1114,8 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
     """The checkpoint's fp32 masters for this engine's bf16/fp16 wrapper (FP16_Optimizer's flat groups when
     ``flat``, else FP16_UnfusedOptimizer's per-parameter lists) in this engine's order, each rounding to the weight
     now loaded; else None. Saved in this engine's order, they are taken as saved; else by the names recorded at
-    save time (``_masters_by_name``: the other MLP layout or the other wrapper, with expert parallelism too); at
-    another expert layout by those names from every expert-parallel rank's file (``_masters_across_expert_layouts``:
-    another ep_size, or the experts sharded on one side only); else, for a checkpoint without that record, by the
-    other MLP layout's order (not with expert parallelism)."""
+    save time (``_recorded_masters``: the other MLP layout, the other wrapper, another expert layout); else, for a
+    checkpoint without that record, by the other MLP layout's order (not with expert parallelism)."""
     from ds_loongforge.export import CheckpointExportError, _model_states, _rounds_to
 
     optimizer = engine.optimizer
@@ -1147,40 +1146,20 @@ def _saved_masters(engine, folder: str, flat: bool) -> list | None:
         states = _model_states(folder)
     except CheckpointExportError:
         return None
-    path = _rank_optimizer_file(engine, folder)
     saved = _rank_optimizer_state(engine, folder, states)
     if isinstance(saved, dict) and fits(saved.get(key)):
         return saved[key]
-    named = _masters_by_name(engine, states.get(SIXTEEN_BIT_PARAMS_KEY), saved, path, flat)
-    if named is not None and fits(named):  # saved in the other MLP layout, or by the other wrapper
-        return named
+    # the other MLP layout, the other wrapper's save, another expert layout
+    recorded = _recorded_masters(engine, folder, states, flat)
+    if recorded is not None and fits(recorded):
+        return recorded
     if states.get("num_experts") or getattr(engine, "has_moe_layers", False):
-        # another expert layout (ep_size, or the experts sharded on one side only); the other MLP layout's map
-        # below reads the model file's state, which is expert-parallel rank 0's
-        across = _masters_across_expert_layouts(engine, folder, states, flat)
-        return across if across is not None and fits(across) else None
+        return None  # the record-less map below reads the model file's state, which is expert-parallel rank 0's
     try:
         converted = _unpartitioned_state_across_mlp_layout(engine, folder)  # saved in the other MLP layout
     except CheckpointLayoutError:  # the masters are in neither layout's order: the loaded weights give them
         return None
     return converted[key] if converted is not None and fits(converted.get(key)) else None
-
-
-def _masters_by_name(engine, record, saved, path: str, flat: bool) -> list | None:
-    """A checkpoint's fp32 masters of DeepSpeed's bf16/fp16 wrapper without ZeRO by the names recorded at save time
-    (``sixteen_bit_optimizer_params``), for this engine's wrapper (``flat``: FP16_Optimizer's flat groups, else
-    FP16_UnfusedOptimizer's lists) and parameter groups, from this rank's optimizer file ``saved``
-    (``_masters_in_engine_groups``). None without a record, or where a parameter has no master of its size in it
-    (at another ep_size, say: ``_masters_across_expert_layouts``)."""
-    from ds_loongforge.export import CheckpointExportError, masters_by_record
-
-    if not isinstance(record, dict) or not isinstance(record.get("groups"), list):
-        return None
-    try:
-        by_name = masters_by_record(record, saved, path)
-    except CheckpointExportError:
-        return None
-    return _masters_in_engine_groups(engine, by_name, by_name.get, flat)
 
 
 def _masters_in_engine_groups(engine, held, fetch, flat: bool) -> list | None:
@@ -1200,55 +1179,43 @@ def _masters_in_engine_groups(engine, held, fetch, flat: bool) -> list | None:
     return out
 
 
-def _masters_across_expert_layouts(engine, folder: str, states: dict, flat: bool) -> list | None:
-    """The recorded fp32 masters (``sixteen_bit_optimizer_params``) of a checkpoint saved without ZeRO in bf16/fp16,
-    for an engine of another expert layout: another ep_size, or the experts sharded on one side only (moe.ep_size
-    1 against > 1). Every saved expert-parallel rank's optimizer file is read (memory-mapped); each of this rank's
-    expert parameters takes its experts in global order (expert-parallel rank r of ep_size n holds experts
-    [r E/n, (r+1) E/n)), cut from the files that hold them; dense parameters are the first file's (every rank
-    holds the same). None without a record or where a file or a parameter's master is missing."""
+def _recorded_masters(engine, folder: str, states: dict, flat: bool) -> list | None:
+    """A checkpoint's fp32 masters of DeepSpeed's bf16/fp16 wrapper without ZeRO by the names recorded at save time
+    (``sixteen_bit_optimizer_params``, ``export.RecordedMasters``), for this engine's wrapper (``flat``:
+    FP16_Optimizer's flat groups, else FP16_UnfusedOptimizer's lists) and parameter groups: in either MLP layout,
+    from either wrapper's save, at any expert layout (another ep_size, or the experts sharded on one side only:
+    moe.ep_size 1 against > 1). Each of this rank's stacked expert parameters takes its experts in global order
+    (expert-parallel rank r of ep_size n holds [r E/n, (r+1) E/n)); dense ones are the first file's, whose weights
+    the model file holds. None without a record, or where a file or a parameter's master is missing."""
     from deepspeed.moe.utils import is_moe_param
 
-    from ds_loongforge.export import CheckpointExportError, masters_by_record, sixteen_bit_optimizer_files
+    from ds_loongforge.export import CheckpointExportError, RecordedMasters
     from ds_loongforge.modules.moe import StackedExperts
 
     record = states.get(SIXTEEN_BIT_PARAMS_KEY)
     if not isinstance(record, dict) or not isinstance(record.get("groups"), list):
         return None
     try:
-        files, optim = sixteen_bit_optimizer_files(folder, states)
-        ranks = [masters_by_record(record, saved, path) for path, saved in zip(files, optim)]
+        recorded = RecordedMasters(folder, states, record)
     except CheckpointExportError:
         return None
-    saved_expert = {name: bool(expert) for group in record["groups"] for name, _, expert in group}
     params = dict(engine.module.named_parameters())
     stacked = {f"{prefix}.{leaf}" for prefix, module in engine.module.named_modules()
                if isinstance(module, StackedExperts) for leaf, _ in module.named_parameters(recurse=False)}
-
-    def experts(name: str, lo: int, hi: int) -> torch.Tensor | None:
-        """Global experts [lo, hi) of the saved ``name``."""
-        if not saved_expert[name]:  # saved unsharded: every expert in one tensor
-            whole = ranks[0][name]
-            return whole[lo:hi] if hi <= whole.shape[0] else None
-        local = ranks[0][name].shape[0]
-        if hi > local * len(ranks):
-            return None
-        return torch.cat([ranks[r][name][max(lo, r * local) - r * local:min(hi, (r + 1) * local) - r * local]
-                          for r in range(lo // local, (hi - 1) // local + 1)])
 
     def fetch(name: str) -> torch.Tensor | None:
         param = params.get(name)
         if name in stacked and is_moe_param(param):  # this rank's experts
             ep_rank, _ = _expert_rank(param)
             local = param.shape[0]
-            return experts(name, ep_rank * local, (ep_rank + 1) * local)
+            return recorded.experts(name, ep_rank * local, (ep_rank + 1) * local)
         if name in stacked:  # every expert here (moe.ep_size 1)
-            return experts(name, 0, param.shape[0])
-        if saved_expert[name] or (param is not None and is_moe_param(param)):
+            return recorded.experts(name, 0, param.shape[0])
+        if recorded.expert[name] or (param is not None and is_moe_param(param)):
             return None  # experts of another kind (DeepSpeed's own MoE: one parameter an expert, named locally)
-        return ranks[0][name]
+        return recorded.ranks[0][name]
 
-    return _masters_in_engine_groups(engine, saved_expert, fetch, flat)
+    return _masters_in_engine_groups(engine, recorded.expert, fetch, flat)
 
 
 def _groups_in_other_mlp_layout(groups: list[list[str]], params: dict

@@ -293,21 +293,15 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
             "without the record of which parameter each fp32 master is (DeepSpeed's bf16/fp16 optimizer without ZeRO "
             "saves them unnamed; ds_loongforge records the names when it is installed at save time). Export the "
             "weights the model ran with (source='module', --source module), or save with ds_loongforge installed")
-    experts = {name: bool(expert) for group in record["groups"] for name, _, expert in group}
-    files, optim = sixteen_bit_optimizer_files(folder, states)
-    masters: dict[str, list[torch.Tensor]] = {}
-    for path, saved in zip(files, optim):
-        for name, master in masters_by_record(record, saved, path).items():
-            held = masters.setdefault(name, [])
-            if experts[name] or not held:  # dense parameters: rank 0's (every rank holds the same)
-                held.append(master)
-    out = {name: torch.cat(pieces) if len(pieces) > 1 else pieces[0] for name, pieces in masters.items()}
+    recorded = RecordedMasters(folder, states, record)
+    experts = recorded.expert
+    out = {name: recorded.experts(name) if expert else recorded.ranks[0][name] for name, expert in experts.items()}
     for name in sorted(name for name, expert in experts.items() if expert):
         want = saved_weights.get(name)
         if want is not None and want.dim() and out[name].shape[0] != want.shape[0]:
             raise CheckpointExportError(
-                f"{folder}: {name} has {want.shape[0]} experts and the {len(files)} expert-parallel optimizer files "
-                f"hold {out[name].shape[0]} of them: the files of the other expert-parallel ranks are missing")
+                f"{folder}: {name} has {want.shape[0]} experts and the {len(recorded.ranks)} expert-parallel optimizer "
+                f"files hold {out[name].shape[0]} of them: the files of the other expert-parallel ranks are missing")
     return out, dict(record.get("shared_params") or {})
 
 
@@ -328,6 +322,35 @@ def sixteen_bit_optimizer_files(folder: str, states: dict) -> tuple[list[str], l
             f"{sorted(paths)} are there; those of ranks 0..{max(paths, default=0)} are needed")
     files = [paths[r] for r in sorted(paths)]
     return files, [_load(path).get("optimizer") for path in files]
+
+
+class RecordedMasters:
+    """The fp32 masters of a checkpoint saved without ZeRO in bf16/fp16 by the names recorded beside them
+    (``checkpoint.sixteen_bit_optimizer_params``): ``ranks``, one dict of them a saved optimizer file (the model
+    file's, or each expert-parallel rank's in rank order: its local experts); ``expert[name]``, whether the saving
+    engine's parameter was an expert one. Memory-mapped: only what ``experts`` cuts is read."""
+
+    def __init__(self, folder: str, states: dict, record: dict):
+        files, optim = sixteen_bit_optimizer_files(folder, states)
+        self.ranks = [masters_by_record(record, saved, path) for path, saved in zip(files, optim)]
+        self.expert = {name: bool(expert) for group in record["groups"] for name, _, expert in group}
+
+    def experts(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor | None:
+        """Global experts [lo, hi) of ``name`` (all by default), cut from the files that hold them: expert-parallel
+        rank r of R saved experts [r E/R, (r+1) E/R); a parameter saved unsharded holds every expert. None past the
+        saved experts."""
+        if not self.expert[name]:
+            whole = self.ranks[0][name]
+            hi = whole.shape[0] if hi is None else hi
+            return whole[lo:hi] if hi <= whole.shape[0] else None
+        local = self.ranks[0][name].shape[0]
+        hi = local * len(self.ranks) if hi is None else hi
+        if hi > local * len(self.ranks) or lo >= hi:
+            return None
+        return torch.cat([self.ranks[r][name][max(lo, r * local) - r * local:min(hi, (r + 1) * local) - r * local]
+                          for r in range(lo // local, (hi - 1) // local + 1)])
+
+
 
 
 def masters_by_record(record: dict, saved: dict | None, path: str) -> dict[str, torch.Tensor]:
