@@ -661,9 +661,9 @@ class ExpertMaskedMoE(nn.Module):
     def _host_counts(self, tokens_per_expert_E: torch.Tensor, x_TH: torch.Tensor, pairs: int) -> HostCounts | None:
         """The group sizes copied to the host for the per-expert GEMMs (HostCounts), where the layer's experts take
         them for ``pairs`` rows of x_TH's width, dtype and device (per_expert_backward_pays); else None."""
-        if self.expert_compute != "auto" or not torch.is_grad_enabled():
+        if self.expert_compute != "auto" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        rows = x_TH.new_empty(1, x_TH.shape[-1]).expand(pairs, -1)  # the pair rows' shape, without their memory
+        rows = x_TH[:1].expand(pairs, -1)  # a view of the pair rows' shape, dtype and device (T = 0: pairs = 0)
         if self._use_loop(rows) or not per_expert_backward_pays(rows, self.experts.gate_up_proj, self.impl):
             return None
         return HostCounts(tokens_per_expert_E)
