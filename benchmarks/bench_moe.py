@@ -236,11 +236,7 @@ def build_ours(shape: Shape, w: Weights, device: torch.device, expert_compute: s
         if not supported(pairs_x, moe.experts.gate_up_proj):
             path = "per-expert loop (host sync)"
         elif ours.per_expert_backward_pays(pairs_x, moe.experts.gate_up_proj, moe.impl):
-            forward = ours.per_expert_forward() if hasattr(ours, "per_expert_forward") else "none"
-            path = {"none": "torch grouped_mm forward",
-                    "down": "torch grouped_mm gate_up and per-expert cuBLASLt down forward (expert_linear_forward)",
-                    "all": "per-expert cuBLASLt forward (expert_linear_forward)"}[forward]
-            path += ", per-expert cuBLASLt backward (expert_linear_backward)"
+            path = "torch grouped_mm forward, per-expert cuBLASLt backward (expert_linear_backward)"
         else:
             path = "torch grouped_mm"
         what += f", expert GEMMs: {path}"

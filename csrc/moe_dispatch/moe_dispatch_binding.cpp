@@ -30,12 +30,9 @@ const char* expert_gemm_backend_cuda();
 std::vector<int64_t> expert_gemm_stats_cuda();
 std::vector<int64_t> expert_gemm_heuristic_cuda(const at::Tensor& like, bool wgrad, int64_t m, int64_t fixed,
                                                 int64_t rows);
-void expert_linear_fwd_cuda(const at::Tensor& x_PI, const at::Tensor& w_EOI, const std::vector<int64_t>& counts,
-                            int64_t row_bucket, const at::Tensor& y_PO);
 void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
                             const std::vector<int64_t>& counts, int64_t row_bucket, const at::Tensor& dx_PI,
                             const at::Tensor& dw_EOI);
-#define LF_EXPERT_LINEAR_FWD expert_linear_fwd_cuda
 #define LF_EXPERT_LINEAR_BWD expert_linear_bwd_cuda
 #define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cuda
 #define LF_TOPK_COUNTS moe_topk_counts_cuda
@@ -61,12 +58,9 @@ void moe_router_topk_bwd_cpu(const at::Tensor& dweights_TK, const at::Tensor& dp
 void moe_topk_counts_cpu(const at::Tensor& values_RE, int64_t k, const at::Tensor& weights_R,
                          const at::Tensor& counts_E);
 const char* expert_gemm_backend_cpu();
-void expert_linear_fwd_cpu(const at::Tensor& x_PI, const at::Tensor& w_EOI, const std::vector<int64_t>& counts,
-                           int64_t row_bucket, const at::Tensor& y_PO);
 void expert_linear_bwd_cpu(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
                            const std::vector<int64_t>& counts, int64_t row_bucket, const at::Tensor& dx_PI,
                            const at::Tensor& dw_EOI);
-#define LF_EXPERT_LINEAR_FWD expert_linear_fwd_cpu
 #define LF_EXPERT_LINEAR_BWD expert_linear_bwd_cpu
 #define LF_EXPERT_GEMM_BACKEND expert_gemm_backend_cpu
 #define LF_TOPK_COUNTS moe_topk_counts_cpu
@@ -155,22 +149,6 @@ at::Tensor router_topk_bwd(const at::Tensor& dweights_TK, const c10::optional<at
     return dlogits_TE;
 }
 
-void check_row_bucket(const char* op, int64_t row_bucket) {
-    LF_CHECK(row_bucket >= -2, op, ": row_bucket must be 0 (8 buckets an octave), a positive row step, -1 (exact row "
-             "counts) or -2 (blocks of 8), got ", row_bucket);
-}
-
-// y_PO = x_PI @ w_EOI[e]^T on each expert's rows (expert-major, group sizes on the host): one GEMM per expert, all
-// issued by one call of the build's loop, as the backward below (row_bucket likewise).
-at::Tensor expert_linear_fwd(const at::Tensor& x_PI, const at::Tensor& w_EOI, const std::vector<int64_t>& counts,
-                             int64_t row_bucket) {
-    check_expert_linear_fwd_args(x_PI, w_EOI, counts, kDispatchDevice);
-    check_row_bucket("expert_linear_forward", row_bucket);
-    at::Tensor y_PO = at::empty({x_PI.size(0), w_EOI.size(1)}, x_PI.options());
-    LF_EXPERT_LINEAR_FWD(x_PI, w_EOI, counts, row_bucket, y_PO);
-    return y_PO;
-}
-
 // The backward of y_PO = x_PI @ w_EOI[e]^T on each expert's rows (expert-major, group sizes on the host): one GEMM
 // per expert and product, all issued by one call of the build's loop (moe_expert_gemm.cpp / moe_expert_gemm_cpu.cpp).
 //   dx_PI[rows of e] = dy_PO[rows of e] @ w_EOI[e]        dw_EOI[e] = dy_PO[rows of e]^T @ x_PI[rows of e]
@@ -183,7 +161,8 @@ std::vector<at::Tensor> expert_linear_bwd(const at::Tensor& dy_PO, const at::Ten
                                           const std::vector<int64_t>& counts, bool need_dx, bool need_dw,
                                           int64_t row_bucket) {
     check_expert_linear_bwd_args(dy_PO, x_PI, w_EOI, counts, kDispatchDevice);
-    check_row_bucket("expert_linear_backward", row_bucket);
+    LF_CHECK(row_bucket >= -2, "expert_linear_backward: row_bucket must be 0 (8 buckets an octave), a positive row "
+             "step, -1 (exact row counts) or -2 (blocks of 8), got ", row_bucket);
     at::Tensor dx_PI = need_dx ? at::empty(x_PI.sizes(), x_PI.options()) : at::Tensor();
     at::Tensor dw_EOI = need_dw ? at::empty(w_EOI.sizes(), w_EOI.options()) : at::Tensor();
     LF_EXPERT_LINEAR_BWD(dy_PO, x_PI, w_EOI, counts, row_bucket, dx_PI, dw_EOI);
@@ -219,10 +198,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("weights_R") = py::none(),
           "counts_E[int64]: per column, the weights_R[r % len] (1: None) of the rows r whose k largest values "
           "(torch.topk's set, ties to the lower column) include it");
-    m.def("expert_linear_forward", &loongforge::expert_linear_fwd, py::arg("x_PI"), py::arg("w_EOI"), py::arg("counts"),
-          py::arg("row_bucket") = -2,
-          "y_PO = x_PI @ w_EOI[e]^T per expert's rows (group sizes counts, on the host); one GEMM per expert; "
-          "row_bucket as for expert_linear_backward");
     m.def("expert_linear_backward", &loongforge::expert_linear_bwd, py::arg("dy_PO"), py::arg("x_PI"),
           py::arg("w_EOI"), py::arg("counts"), py::arg("need_dx"), py::arg("need_dw"), py::arg("row_bucket") = -2,
           "(dx_PI or None, dw_EOI or None) of y = x_PI @ w_EOI[e]^T per expert's rows (group sizes counts, on the "

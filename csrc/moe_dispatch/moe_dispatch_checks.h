@@ -224,20 +224,26 @@ LF_HOST_DEVICE uint64_t topk_rank_key(float v, int64_t column) {
     return (static_cast<uint64_t>(topk_order_key(v)) << 32) | static_cast<uint32_t>(0xfffffffeu - column);
 }
 
-// Expert linear forward and backward (moe_expert_gemm.cpp, moe_expert_gemm_cpu.cpp): y_PO = x_PI @ w_EOI[e]^T on
-// each expert's rows, expert-major, group sizes counts (on the host). dy_PO [P, O], x_PI [P, I], w_EOI [E, O, I]:
-// contiguous, one kernel dtype, one device; counts: E sizes >= 0 summing to P. The common part:
-inline void check_expert_linear_common(const char* op, const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                                       std::initializer_list<std::pair<const at::Tensor*, const char*>> tensors,
-                                       const std::vector<int64_t>& counts, c10::DeviceType device) {
+// Expert linear backward (moe_expert_gemm.cpp, moe_expert_gemm_cpu.cpp): y_PO = x_PI @ w_EOI[e]^T on each expert's
+// rows, expert-major, group sizes counts (on the host). dy_PO [P, O], x_PI [P, I], w_EOI [E, O, I]: contiguous, one
+// kernel dtype, one device; counts: E sizes >= 0 summing to P.
+inline void check_expert_linear_bwd_args(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
+                                         const std::vector<int64_t>& counts, c10::DeviceType device) {
+    const char* op = "expert_linear_backward";
+    const std::pair<const at::Tensor*, const char*> tensors[] = {{&dy_PO, "dy_PO"}, {&x_PI, "x_PI"}, {&w_EOI, "w_EOI"}};
     for (const auto& [t, name] : tensors) {
         check_dispatch_tensor_on(*t, x_PI, op, name, device);
         LF_CHECK(t->is_contiguous(), op, ": ", name, " must be contiguous, got shape ", t->sizes(), " and strides ",
                  t->strides());
         LF_CHECK(t->scalar_type() == x_PI.scalar_type(), op, ": ", name, " is ", t->scalar_type(), " but x_PI is ",
-                 x_PI.scalar_type(), " (one dtype for all of them)");
+                 x_PI.scalar_type(), " (one dtype for all three)");
     }
     check_kernel_dtype(x_PI.scalar_type(), op, "x_PI");
+    LF_CHECK(dy_PO.dim() == 2 && x_PI.dim() == 2 && w_EOI.dim() == 3, op, ": dy_PO [P, O], x_PI [P, I] and w_EOI "
+             "[E, O, I] expected, got shapes ", dy_PO.sizes(), ", ", x_PI.sizes(), " and ", w_EOI.sizes());
+    LF_CHECK(dy_PO.size(0) == x_PI.size(0) && dy_PO.size(1) == w_EOI.size(1) && x_PI.size(1) == w_EOI.size(2), op,
+             ": shapes do not agree: dy_PO ", dy_PO.sizes(), ", x_PI ", x_PI.sizes(), ", w_EOI ", w_EOI.sizes(),
+             " (dy_PO [P, O], x_PI [P, I], w_EOI [E, O, I])");
     LF_CHECK(static_cast<int64_t>(counts.size()) == w_EOI.size(0), op, ": ", static_cast<int64_t>(counts.size()),
              " group sizes for ", w_EOI.size(0), " experts");
     int64_t total = 0;
@@ -248,26 +254,6 @@ inline void check_expert_linear_common(const char* op, const at::Tensor& x_PI, c
     }
     LF_CHECK(total == x_PI.size(0), op, ": the group sizes sum to ", total, " but x_PI has ", x_PI.size(0),
              " rows; every row must belong to one expert");
-}
-
-inline void check_expert_linear_fwd_args(const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                                         const std::vector<int64_t>& counts, c10::DeviceType device) {
-    const char* op = "expert_linear_forward";
-    LF_CHECK(x_PI.dim() == 2 && w_EOI.dim() == 3 && x_PI.size(1) == w_EOI.size(2), op, ": x_PI [P, I] and w_EOI "
-             "[E, O, I] expected, got shapes ", x_PI.sizes(), " and ", w_EOI.sizes());
-    check_expert_linear_common(op, x_PI, w_EOI, {{&x_PI, "x_PI"}, {&w_EOI, "w_EOI"}}, counts, device);
-}
-
-inline void check_expert_linear_bwd_args(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI,
-                                         const std::vector<int64_t>& counts, c10::DeviceType device) {
-    const char* op = "expert_linear_backward";
-    LF_CHECK(dy_PO.dim() == 2 && x_PI.dim() == 2 && w_EOI.dim() == 3, op, ": dy_PO [P, O], x_PI [P, I] and w_EOI "
-             "[E, O, I] expected, got shapes ", dy_PO.sizes(), ", ", x_PI.sizes(), " and ", w_EOI.sizes());
-    LF_CHECK(dy_PO.size(0) == x_PI.size(0) && dy_PO.size(1) == w_EOI.size(1) && x_PI.size(1) == w_EOI.size(2), op,
-             ": shapes do not agree: dy_PO ", dy_PO.sizes(), ", x_PI ", x_PI.sizes(), ", w_EOI ", w_EOI.sizes(),
-             " (dy_PO [P, O], x_PI [P, I], w_EOI [E, O, I])");
-    check_expert_linear_common(op, x_PI, w_EOI, {{&dy_PO, "dy_PO"}, {&x_PI, "x_PI"}, {&w_EOI, "w_EOI"}}, counts,
-                               device);
 }
 
 }  // namespace loongforge

@@ -1,6 +1,5 @@
-// The MoE experts' per-expert GEMMs on CUDA, one GEMM per expert and product (the binding's expert_linear_fwd and
-// expert_linear_bwd check and allocate), through cuBLASLt with the algorithm of each problem class chosen once per
-// process.
+// The MoE experts' backward on CUDA, one GEMM per expert and product (the binding's expert_linear_bwd checks and
+// allocates), through cuBLASLt with the algorithm of each problem class chosen once per process.
 //
 // Why not torch.mm per expert: with fresh routing every step, an expert's row count is new almost every call, and
 // cuBLAS then runs its heuristic again. On the H200 that cost ~380 us of host time a GEMM with fresh group sizes
@@ -18,11 +17,9 @@
 //
 // Row-major products in cuBLAS's column-major terms (a row-major [r, c] matrix is a column-major [c, r] one):
 //   rows:  out[n, N] = a[n, K] @ b[K, N]      ->  out^T (N x n) = b^T (N x K) . a^T (K x n)    m=N n=n k=K
-//   fwd:   out[n, N] = a[n, K] @ b[N, K]^T    ->  out^T (N x n) = b (N x K) . a^T (K x n)      m=N n=n k=K
 //   wgrad: out[M, N] = a[n, M]^T @ b[n, N]    ->  out^T (N x M) = b^T (N x n) . a (n x M)      m=N n=M k=n
-// so A is always b (op N with lda = m, or op T with lda = K for fwd) and B is a (op N with ldb = K, or op T with
-// ldb = M); the varying row count is cuBLAS's n for "rows" and "fwd" and its k for "wgrad", never a leading
-// dimension.
+// so A is always b (op N, lda = m) and B is a (op N with ldb = K, or op T with ldb = M); the varying row count is
+// cuBLAS's n for "rows" and its k for "wgrad", never a leading dimension.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -50,7 +47,7 @@ constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;  // cuBLAS's recommendati
 #define LF_LT_CHECK(expr)                                                                                 \
     do {                                                                                                  \
         const cublasStatus_t lf_status_ = (expr);                                                         \
-        LF_CHECK(lf_status_ == CUBLAS_STATUS_SUCCESS, "expert_linear: ", #expr, " failed: ",             \
+        LF_CHECK(lf_status_ == CUBLAS_STATUS_SUCCESS, "expert_linear_backward: ", #expr, " failed: ",    \
                  cublasGetStatusString(lf_status_));                                                      \
     } while (0)
 
@@ -115,14 +112,12 @@ uint32_t alignment(std::initializer_list<uint64_t> values) {
 }
 
 struct Problem {
-    cublasOperation_t opa, opb;
+    cublasOperation_t opb;
     int64_t m, n, k;
-    int64_t lda() const { return opa == CUBLAS_OP_N ? m : k; }
     int64_t ldb() const { return opb == CUBLAS_OP_N ? k : n; }
 };
 
-// device, dtype, opa and opb (2 * opa + opb), m, n, k (as asked), alignment, exact size (true) or the row count's
-// bucket (false)
+// device, dtype, opb, m, n, k (as asked), alignment, exact size (true) or the row count's bucket (false)
 using Key = std::tuple<int, int, int, int64_t, int64_t, int64_t, uint32_t, bool>;
 struct KeyHash {
     size_t operator()(const Key& key) const {
@@ -168,13 +163,10 @@ struct Descriptors {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     Descriptors(const Problem& p, cudaDataType_t dtype) {
         LF_LT_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        LF_LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &p.opa, sizeof(p.opa)));
+        const cublasOperation_t opa = CUBLAS_OP_N;
+        LF_LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
         LF_LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &p.opb, sizeof(p.opb)));
-        if (p.opa == CUBLAS_OP_N) {
-            LF_LT_CHECK(cublasLtMatrixLayoutCreate(&a, dtype, p.m, p.k, p.m));
-        } else {
-            LF_LT_CHECK(cublasLtMatrixLayoutCreate(&a, dtype, p.k, p.m, p.k));
-        }
+        LF_LT_CHECK(cublasLtMatrixLayoutCreate(&a, dtype, p.m, p.k, p.m));
         if (p.opb == CUBLAS_OP_N) {
             LF_LT_CHECK(cublasLtMatrixLayoutCreate(&b, dtype, p.k, p.n, p.k));
         } else {
@@ -245,7 +237,7 @@ struct Reused {
     Reused(const Problem& problem, cudaDataType_t dtype) : p(problem), d(problem, dtype) {}
     void set_rows(bool wgrad, int64_t rows) {
         const uint64_t r = static_cast<uint64_t>(rows);
-        if (wgrad) {  // cuBLAS's k: A (op N) is m x k, B (op T) n x k with ld n
+        if (wgrad) {  // cuBLAS's k: A is m x k, B (op T) n x k with ld n
             p.k = rows;
             LF_LT_CHECK(cublasLtMatrixLayoutSetAttribute(d.a, CUBLASLT_MATRIX_LAYOUT_COLS, &r, sizeof(r)));
             LF_LT_CHECK(cublasLtMatrixLayoutSetAttribute(d.b, CUBLASLT_MATRIX_LAYOUT_COLS, &r, sizeof(r)));
@@ -264,7 +256,7 @@ bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64
     r.set_rows(wgrad, rows);
     const Problem& p = r.p;
     const uint32_t align = alignment({reinterpret_cast<uint64_t>(a_ptr), reinterpret_cast<uint64_t>(b_ptr),
-                                      reinterpret_cast<uint64_t>(c_ptr), p.lda() * es, p.ldb() * es, p.m * es});
+                                      reinterpret_cast<uint64_t>(c_ptr), p.m * es, p.ldb() * es});
     const float one = 1.f, zero = 0.f;
     auto run = [&](const Choice& choice) {
         return choice.found && cublasLtMatmul(handle, r.d.op, &one, b_ptr, r.d.a, a_ptr, r.d.b, &zero, c_ptr, r.d.c,
@@ -273,11 +265,10 @@ bool lt_gemm(cublasLtHandle_t handle, Reused& r, bool wgrad, int64_t rows, int64
     };
     Problem asked = p;
     (wgrad ? asked.k : asked.n) = bucket(rows, row_bucket);
-    const int ops = 2 * static_cast<int>(p.opa) + static_cast<int>(p.opb);
-    const Key key{device, static_cast<int>(dtype), ops, asked.m, asked.n, asked.k, align, false};
+    const Key key{device, static_cast<int>(dtype), static_cast<int>(p.opb), asked.m, asked.n, asked.k, align, false};
     if (run(cached_choice(handle, key, asked, dtype, align))) return true;
     // the bucket's algorithm does not take this size: ask for the exact one (kept under its own key)
-    const Key exact{device, static_cast<int>(dtype), ops, p.m, p.n, p.k, align, true};
+    const Key exact{device, static_cast<int>(dtype), static_cast<int>(p.opb), p.m, p.n, p.k, align, true};
     return run(cached_choice(handle, exact, p, dtype, align));
 }
 
@@ -300,8 +291,7 @@ std::vector<int64_t> expert_gemm_heuristic_cuda(const at::Tensor& like, bool wgr
                                                 int64_t rows) {
 #ifdef LF_WITH_CUBLASLT
     const c10::cuda::CUDAGuard guard(like.device());
-    const Problem p = wgrad ? Problem{CUBLAS_OP_N, CUBLAS_OP_T, m, fixed, rows}
-                            : Problem{CUBLAS_OP_N, CUBLAS_OP_N, m, rows, fixed};
+    const Problem p = wgrad ? Problem{CUBLAS_OP_T, m, fixed, rows} : Problem{CUBLAS_OP_N, m, rows, fixed};
     const Choice choice = ask_heuristic(lt_handle(like.get_device()), p, lt_dtype(like.scalar_type()), 256);
     return choice.found ? config_of(choice.algo) : std::vector<int64_t>{};
 #else
@@ -315,40 +305,6 @@ const char* expert_gemm_backend_cuda() {
 #else
     return "aten";  // built without cuBLASLt's header: torch's cuBLAS path (a heuristic query per new shape)
 #endif
-}
-
-// The experts' forward y_PO[s:s+n] = x_PI[s:s+n] @ w_EOI[e]^T for each expert e with n > 0 rows from row s (see
-// the binding's expert_linear_fwd; arguments checked there); experts without rows are skipped. One GEMM per expert
-// on raw pointers, as the backward below.
-void expert_linear_fwd_cuda(const at::Tensor& x_PI, const at::Tensor& w_EOI, const std::vector<int64_t>& counts,
-                            int64_t row_bucket, const at::Tensor& y_PO) {
-    const c10::cuda::CUDAGuard guard(x_PI.device());
-    const int64_t O = w_EOI.size(1), I = x_PI.size(1);
-#ifdef LF_WITH_CUBLASLT
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_PI.get_device()).stream();
-    const uint64_t es = x_PI.element_size();
-    const int device = x_PI.get_device();
-    const cudaDataType_t dtype = lt_dtype(x_PI.scalar_type());
-    cublasLtHandle_t handle = lt_handle(device);
-    const at::Tensor workspace = at::empty({kWorkspaceBytes}, x_PI.options().dtype(at::kByte));
-    // fwd: m = O, n = rows, k = I, A = w[e] (op T, lda I), B = x rows (op N, ldb I). The row count is set per expert.
-    Reused fwd_gemm(Problem{CUBLAS_OP_T, CUBLAS_OP_N, O, 1, I}, dtype);
-    const char* x = static_cast<const char*>(x_PI.data_ptr());
-    const char* w = static_cast<const char*>(w_EOI.data_ptr());
-    char* y = static_cast<char*>(y_PO.data_ptr());
-#endif
-    int64_t start = 0;
-    for (size_t e = 0; e < counts.size(); ++e) {
-        const int64_t n = counts[e];
-        if (n == 0) continue;
-        bool done = false;
-#ifdef LF_WITH_CUBLASLT
-        done = lt_gemm(handle, fwd_gemm, false, n, row_bucket, dtype, device, es, x + start * I * es,
-                       w + e * O * I * es, y + start * O * es, workspace.data_ptr(), stream);
-#endif
-        if (!done) expert_forward_aten(x_PI, w_EOI, e, start, n, y_PO);  // no cuBLASLt algorithm (or none built in)
-        start += n;
-    }
 }
 
 // The experts' backward of y_PO = x_PI @ w_EOI[e]^T (see the binding's expert_linear_bwd): for each expert e with
@@ -372,8 +328,7 @@ void expert_linear_bwd_cuda(const at::Tensor& dy_PO, const at::Tensor& x_PI, con
     cublasLtHandle_t handle = lt_handle(device);
     const at::Tensor workspace = at::empty({kWorkspaceBytes}, x_PI.options().dtype(at::kByte));
     // rows (dx): m = I, n = rows, k = O;  wgrad (dw): m = I, n = O, k = rows. The row count is set per expert.
-    Reused rows_gemm(Problem{CUBLAS_OP_N, CUBLAS_OP_N, I, 1, O}, dtype);
-    Reused wgrad_gemm(Problem{CUBLAS_OP_N, CUBLAS_OP_T, I, O, 1}, dtype);
+    Reused rows_gemm(Problem{CUBLAS_OP_N, I, 1, O}, dtype), wgrad_gemm(Problem{CUBLAS_OP_T, I, O, 1}, dtype);
     const char* dy = static_cast<const char*>(dy_PO.data_ptr());
     const char* x = static_cast<const char*>(x_PI.data_ptr());
     const char* w = static_cast<const char*>(w_EOI.data_ptr());

@@ -1,18 +1,11 @@
-// One expert's products through ATen (at::mm_out): the whole CPU build (moe_expert_gemm_cpu.cpp) and the CUDA
-// build's fallback where cuBLASLt has no algorithm or was not built in (moe_expert_gemm.cpp).
-//   forward:   y_PO[start:start+n] = x_PI[start:start+n] @ w_EOI[e]^T
-//   backward:  dx_PI[start:start+n] = dy_PO[start:start+n] @ w_EOI[e]    dw_EOI[e] = dy_PO[start:start+n]^T @ x_PI[start:start+n]
+// One expert's backward products through ATen (at::mm_out): the whole CPU build (moe_expert_gemm_cpu.cpp) and the
+// CUDA build's fallback where cuBLASLt has no algorithm or was not built in (moe_expert_gemm.cpp).
+//   dx_PI[start:start+n] = dy_PO[start:start+n] @ w_EOI[e]        dw_EOI[e] = dy_PO[start:start+n]^T @ x_PI[start:start+n]
 #pragma once
 
 #include <ATen/ops/mm.h>
 
 namespace loongforge {
-
-inline void expert_forward_aten(const at::Tensor& x_PI, const at::Tensor& w_EOI, int64_t e, int64_t start, int64_t n,
-                                const at::Tensor& y_PO) {
-    at::Tensor dst = y_PO.narrow(0, start, n);
-    at::mm_out(dst, x_PI.narrow(0, start, n), w_EOI[e].t());
-}
 
 inline void expert_backward_aten(const at::Tensor& dy_PO, const at::Tensor& x_PI, const at::Tensor& w_EOI, int64_t e,
                                  int64_t start, int64_t n, const at::Tensor& dx_PI, const at::Tensor& dw_EOI,

@@ -1,23 +1,11 @@
-// The MoE experts' per-expert GEMMs on the CPU, one GEMM per expert and product (the binding's expert_linear_fwd
-// and expert_linear_bwd check and allocate): ATen's matmul (moe_expert_gemm_aten.h), which is what torch's CPU grouped GEMM runs per group as well.
+// The MoE experts' backward on the CPU, one GEMM per expert and product (the binding's expert_linear_bwd checks
+// and allocates): ATen's matmul (moe_expert_gemm_aten.h), which is what torch's CPU grouped GEMM runs per group as well.
 #include "lf_common.h"
 #include "moe_expert_gemm_aten.h"
 
 namespace loongforge {
 
 const char* expert_gemm_backend_cpu() { return "aten"; }
-
-// As expert_linear_fwd_cuda (moe_expert_gemm.cpp): y_PO[rows of e] = x_PI[rows of e] @ w_EOI[e]^T.
-void expert_linear_fwd_cpu(const at::Tensor& x_PI, const at::Tensor& w_EOI, const std::vector<int64_t>& counts,
-                           int64_t /*row_bucket*/, const at::Tensor& y_PO) {
-    int64_t start = 0;
-    for (size_t e = 0; e < counts.size(); ++e) {
-        const int64_t n = counts[e];
-        if (n == 0) continue;
-        expert_forward_aten(x_PI, w_EOI, e, start, n, y_PO);
-        start += n;
-    }
-}
 
 // As expert_linear_bwd_cuda (moe_expert_gemm.cpp): dx_PI[rows of e] = dy_PO[rows of e] @ w_EOI[e] and
 // dw_EOI[e] = dy_PO[rows of e]^T @ x_PI[rows of e], zeros for an expert without rows; undefined outputs skipped.

@@ -13,9 +13,7 @@ P = T*K token-expert pairs in expert-major order.
 
 The backward of both GEMMs runs one cuBLAS GEMM per expert where experts are few and large (at most 16,
 at least 1024 rows each): the group sizes are copied to the host behind the routing in the forward and
-are there long before the backward (_GroupedExpertLinear, ops.moe_dispatch.expert_linear_backward). There
-the down GEMM's forward does too (expert_linear_forward; per_expert_forward): by the time the host issues it,
-the device has the permute, the gate_up GEMM and the SwiGLU queued, so the wait for the counts costs it nothing.
+are there long before the backward (_GroupedExpertLinear, ops.moe_dispatch.expert_linear_backward).
 
 Dropless: every token reaches its K experts. Experts that got no tokens form empty groups: they do no
 work and their weight gradients are zeros (never None). The combine gathers instead of scattering with
@@ -55,9 +53,8 @@ from torch.nn import functional as F
 
 from ds_loongforge import profiler
 from ds_loongforge.ops._dispatch import CUDAGRAPH_UNSAFE, check_rounding, refuse_double_backward
-from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward,
-                                            expert_linear_forward, expert_routing, moe_permute, moe_unpermute,
-                                            sort_routing_keys)
+from ds_loongforge.ops.moe_dispatch import (ROW_BUCKETS, expert_gemm_backend, expert_linear_backward, expert_routing,
+                                            moe_permute, moe_unpermute, sort_routing_keys)
 from ds_loongforge.ops.moe_router import kernel_fits, router_topk
 from ds_loongforge.ops.swiglu import swiglu_dropout
 
@@ -240,8 +237,8 @@ EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 # few and large. The layer's four backward products with skewed group sizes (max/mean 1.8-3.6), H200, a811de5's
 # diagnose_grouped_gemm --host-cost: 2.21 vs 2.26 ms grouped at the e2e mixtral shape (8 experts, 16384 rows),
 # 16.5 vs 18.2 ms at bench_moe's mixtral_like; with 64 experts of ~1024 rows the per-expert GEMMs ran at half
-# the grouped rate (ab44d7f). In the forward the group sizes are on the host only after a wait for the routing:
-# per_expert_forward says which forward GEMMs take it.
+# the grouped rate (ab44d7f). The forward keeps the grouped GEMM: its group sizes are not on the host without a
+# wait that would empty the device's queue.
 PER_EXPERT_BACKWARD_MAX_EXPERTS = 16
 PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT = 1024
 
@@ -276,15 +273,12 @@ class HostCounts:
 class _GroupedExpertLinear(torch.autograd.Function):
     """``F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)``, whose backward runs one GEMM per expert and
     product from the host group sizes (expert_linear_backward, one host call), the weight gradient in the weight's
-    layout as torch's grouped GEMM gives it. ``forward_per_expert``: the forward too (expert_linear_forward), which
-    reads the host counts, i.e. waits for the routing (see per_expert_forward)."""
+    layout as torch's grouped GEMM gives it."""
 
     @staticmethod
-    def forward(ctx, x_PI, w_EOI, offs_E, host_counts, impl, forward_per_expert=False):
+    def forward(ctx, x_PI, w_EOI, offs_E, host_counts, impl):
         ctx.save_for_backward(x_PI, w_EOI)
         ctx.host_counts, ctx.impl = host_counts, impl
-        if forward_per_expert:
-            return expert_linear_forward(x_PI, w_EOI, host_counts.get(), impl=impl, row_bucket=expert_gemm_row_bucket())
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
 
     @staticmethod
@@ -294,26 +288,7 @@ class _GroupedExpertLinear(torch.autograd.Function):
         dx_PI, dw_EOI = expert_linear_backward(dy_PO, x_PI, w_EOI, ctx.host_counts.get(),
                                                need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
                                                impl=ctx.impl, row_bucket=expert_gemm_row_bucket())
-        return dx_PI, dw_EOI, None, None, None, None
-
-
-PER_EXPERT_FORWARD = ("down", "all", "none")
-
-
-def per_expert_forward() -> str:
-    """Which of the layer's two expert GEMMs also run per expert in the forward where the backward does
-    (per_expert_backward_pays): LOONGFORGE_PER_EXPERT_FORWARD, "down" by default.
-
-    The forward's per-expert GEMM reads the group sizes on the host, so the host waits there for the routing (the
-    counts' copy sits right behind it). Before the down GEMM that wait costs the device nothing: the permute, the
-    gate_up GEMM and the SwiGLU are queued behind the routing by then. Before the gate_up GEMM only the permute is,
-    and the device may idle while the host issues the GEMMs; "all" takes that wait too, "none" keeps torch's
-    grouped GEMM both forward."""
-    value = os.environ.get("LOONGFORGE_PER_EXPERT_FORWARD", "down")
-    if value not in PER_EXPERT_FORWARD:
-        raise ValueError(f"LOONGFORGE_PER_EXPERT_FORWARD must be one of {PER_EXPERT_FORWARD}, got {value!r}; unset "
-                         "it for the default (down)")
-    return value
+        return dx_PI, dw_EOI, None, None, None
 
 
 def expert_gemm_row_bucket() -> int | str:
@@ -360,12 +335,11 @@ def per_expert_backward_pays(x_PI: torch.Tensor, w_EOI: torch.Tensor, impl: str 
 def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                   mode: str = "auto", counts: list[int] | None = None,
                   offs_E: torch.Tensor | None = None, host_counts: HostCounts | None = None,
-                  impl: str = "auto", forward_per_expert: bool = False) -> torch.Tensor:
+                  impl: str = "auto") -> torch.Tensor:
     """Rows of x_PI grouped by expert (expert-major, group sizes tokens_per_expert_E) times each group's
     w_EOI[e].T. ``grouped_mm``: one grouped GEMM (torch's; "auto" takes it where supported), over the group
     ends ``offs_E`` (int32 cumsum of the sizes; computed here if not given); with ``host_counts`` (mode "auto")
-    its backward runs per-expert GEMMs (_GroupedExpertLinear), and with ``forward_per_expert`` its forward too.
-    ``loop``: one GEMM per expert that got tokens,
+    its backward runs per-expert GEMMs (_GroupedExpertLinear). ``loop``: one GEMM per expert that got tokens,
     from ``counts`` (host copy of the sizes; read here if not given: a host sync)."""
     if mode not in EXPERT_COMPUTE:
         raise ValueError(f"expert_compute must be one of {EXPERT_COMPUTE}, got {mode!r}")
@@ -377,8 +351,7 @@ def expert_matmul(x_PI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: 
         if offs_E is None:
             offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
         if host_counts is not None and mode == "auto":
-            return _GroupedExpertLinear.apply(x_PI, w_EOI, offs_E, host_counts, impl,
-                                              forward_per_expert and x_PI.dtype == w_EOI.dtype)
+            return _GroupedExpertLinear.apply(x_PI, w_EOI, offs_E, host_counts, impl)
         return F.grouped_mm(x_PI, w_EOI.transpose(1, 2), offs=offs_E)
     if torch.compiler.is_compiling():
         return _compiled_expert_loop(x_PI, w_EOI, tokens_per_expert_E)
@@ -632,13 +605,10 @@ class ExpertMaskedMoE(nn.Module):
             # autocast dtype under torch.autocast
             weights_TK = weights_TK.to(logits_TE.dtype)
         order_P, slot_TK, tokens_per_expert_E, offsets_E = self._routing_indices(ids_TK)
-        # the counts' copy to the host goes right behind the routing, before the permute: a forward that reads them
-        # (per_expert_forward) then waits for the routing only, with the permute still queued for the device
-        host_counts = self._host_counts(tokens_per_expert_E, x_TH, num_tokens * k) if self.ep_size == 1 else None
         x_PH = moe_permute(x_TH, order_P, slot_TK, impl=self.impl)
 
         if self.ep_size == 1:
-            y_PH = self._experts(x_PH, tokens_per_expert_E, offsets_E=offsets_E, host_counts=host_counts)
+            y_PH = self._experts(x_PH, tokens_per_expert_E, offsets_E=offsets_E)
             self.last_routing = RoutingStats(tokens_per_expert_E.detach(), num_tokens, k)
         elif self.ep_group is None:
             raise RuntimeError(f"ExpertMaskedMoE: ep_size={self.ep_size} but no expert-parallel group is bound; "
@@ -658,22 +628,10 @@ class ExpertMaskedMoE(nn.Module):
             self.aux_loss = self._aux_loss(logits_TE, probs_TE, tokens_per_expert_E, num_tokens)
         return out_TH.view(shape)
 
-    def _host_counts(self, tokens_per_expert_E: torch.Tensor, x_TH: torch.Tensor, pairs: int) -> HostCounts | None:
-        """The group sizes copied to the host for the per-expert GEMMs (HostCounts), where the layer's experts take
-        them for ``pairs`` rows of x_TH's width, dtype and device (per_expert_backward_pays); else None."""
-        if self.expert_compute != "auto" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
-        rows = x_TH[:1].expand(pairs, -1)  # a view of the pair rows' shape, dtype and device (T = 0: pairs = 0)
-        if self._use_loop(rows) or not per_expert_backward_pays(rows, self.experts.gate_up_proj, self.impl):
-            return None
-        return HostCounts(tokens_per_expert_E)
-
     def _experts(self, x_PH: torch.Tensor, tokens_per_expert_E: torch.Tensor, gate_up: torch.Tensor | None = None,
-                 down: torch.Tensor | None = None, offsets_E: torch.Tensor | None = None,
-                 host_counts: HostCounts | None = None) -> torch.Tensor:
+                 down: torch.Tensor | None = None, offsets_E: torch.Tensor | None = None) -> torch.Tensor:
         """The local experts (or the chunk of them whose stacked weights are given) on expert-major rows,
-        group sizes tokens_per_expert_E (group ends offsets_E, int32, when the routing gave them; their host copy
-        host_counts, when the caller made it: otherwise made here where the per-expert GEMMs pay)."""
+        group sizes tokens_per_expert_E (group ends offsets_E, int32, when the routing gave them)."""
         loop = self._use_loop(x_PH)
         # loop: one host sync (under torch.compile, inside the loop's custom op)
         counts = tokens_per_expert_E.tolist() if loop and not torch.compiler.is_compiling() else None
@@ -682,16 +640,16 @@ class ExpertMaskedMoE(nn.Module):
                                     else torch.cumsum(tokens_per_expert_E, 0).to(torch.int32))
         gate_up = self.experts.gate_up_proj if gate_up is None else gate_up
         down = self.experts.down_proj if down is None else down
-        if (host_counts is None and not loop and self.expert_compute == "auto" and torch.is_grad_enabled()
+        host_counts = None
+        if (not loop and self.expert_compute == "auto" and torch.is_grad_enabled()
                 and per_expert_backward_pays(x_PH, gate_up, self.impl)):
-            host_counts = HostCounts(tokens_per_expert_E)  # behind the exchange (expert parallelism)
-        forward = per_expert_forward() if host_counts is not None else "none"
+            host_counts = HostCounts(tokens_per_expert_E)  # for the backward, copied behind the routing
         gate_up_P2I = expert_matmul(x_PH, gate_up, tokens_per_expert_E, self.expert_compute, counts, offs_E,
-                                    host_counts, self.impl, forward_per_expert=forward == "all")
+                                    host_counts, self.impl)
         act_PI = swiglu_dropout(gate_up_P2I, self.dropout if self.training else 0.0, impl=self.impl,
                                 rounding=self.rounding)
         y_PH = expert_matmul(act_PI, down, tokens_per_expert_E, self.expert_compute, counts, offs_E, host_counts,
-                             self.impl, forward_per_expert=forward in ("all", "down"))
+                             self.impl)
         # under torch.autocast the per-expert loop's matmuls come out in the autocast dtype (grouped_mm is not on
         # autocast's lists): back to the input's dtype, as the family's block returns its experts' sum (and as the
         # combine's residual and the all-to-all buffers have it), whichever path ran

@@ -309,21 +309,6 @@ def topk_counts(values_RE: torch.Tensor, k: int, weights_R: torch.Tensor | None 
                               None if weights_R is None else weights_R.contiguous())
 
 
-def _check_expert_linear_forward_args(x_PI: torch.Tensor, w_EOI: torch.Tensor, counts) -> None:
-    if x_PI.dim() != 2 or w_EOI.dim() != 3 or x_PI.shape[1] != w_EOI.shape[2]:
-        raise ValueError(f"expert_linear_forward: x_PI [P, I] and w_EOI [E, O, I] expected, got shapes "
-                         f"{tuple(x_PI.shape)} and {tuple(w_EOI.shape)}")
-    if x_PI.dtype != w_EOI.dtype:
-        raise ValueError(f"expert_linear_forward: one dtype for both, got x_PI {x_PI.dtype}, w_EOI {w_EOI.dtype}")
-    _check_counts("expert_linear_forward", x_PI, w_EOI, counts)
-
-
-def _check_counts(op: str, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts) -> None:
-    if len(counts) != w_EOI.shape[0] or any(n < 0 for n in counts) or sum(counts) != x_PI.shape[0]:
-        raise ValueError(f"{op}: counts must be {w_EOI.shape[0]} group sizes >= 0 summing to the "
-                         f"{x_PI.shape[0]} rows of x_PI, got {list(counts)}")
-
-
 def _check_expert_linear_args(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts) -> None:
     if dy_PO.dim() != 2 or x_PI.dim() != 2 or w_EOI.dim() != 3:
         raise ValueError(f"expert_linear_backward: dy_PO [P, O], x_PI [P, I] and w_EOI [E, O, I] expected, got shapes "
@@ -334,19 +319,9 @@ def _check_expert_linear_args(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: to
     if not dy_PO.dtype == x_PI.dtype == w_EOI.dtype:
         raise ValueError(f"expert_linear_backward: one dtype for all three, got dy_PO {dy_PO.dtype}, x_PI "
                          f"{x_PI.dtype}, w_EOI {w_EOI.dtype}")
-    _check_counts("expert_linear_backward", x_PI, w_EOI, counts)
-
-
-def expert_linear_forward_reference(x_PI: torch.Tensor, w_EOI: torch.Tensor, counts) -> torch.Tensor:
-    """Plain PyTorch (one torch.mm per expert): see :func:`expert_linear_forward`."""
-    _check_expert_linear_forward_args(x_PI, w_EOI, counts)
-    y_PO = x_PI.new_empty(x_PI.shape[0], w_EOI.shape[1])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            torch.mm(x_PI[start:start + n], w_EOI[e].t(), out=y_PO[start:start + n])
-        start += n
-    return y_PO
+    if len(counts) != w_EOI.shape[0] or any(n < 0 for n in counts) or sum(counts) != x_PI.shape[0]:
+        raise ValueError(f"expert_linear_backward: counts must be {w_EOI.shape[0]} group sizes >= 0 summing to the "
+                         f"{x_PI.shape[0]} rows of x_PI, got {list(counts)}")
 
 
 def expert_linear_backward_reference(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,
@@ -377,15 +352,15 @@ def expert_gemm_backend(device_type: str, impl: str = "auto") -> str | None:
 ROW_BUCKETS = {"octave": 0, "exact": -1, "blocks": -2}
 
 
-def _row_bucket_code(row_bucket, op: str = "expert_linear_backward") -> int:
+def _row_bucket_code(row_bucket) -> int:
     """The kernel's code for a row-count grouping (moe_expert_gemm.cpp's bucket()): ROW_BUCKETS, or a positive row
     step itself."""
     if isinstance(row_bucket, str) and row_bucket in ROW_BUCKETS:
         return ROW_BUCKETS[row_bucket]
     if isinstance(row_bucket, int) and not isinstance(row_bucket, bool) and row_bucket > 0:
         return row_bucket
-    raise ValueError(f"{op}: row_bucket must be one of {sorted(ROW_BUCKETS)} or a positive number of rows, got "
-                     f"{row_bucket!r}")
+    raise ValueError(f"expert_linear_backward: row_bucket must be one of {sorted(ROW_BUCKETS)} or a positive number "
+                     f"of rows, got {row_bucket!r}")
 
 
 def expert_gemm_stats() -> dict | None:
@@ -396,22 +371,6 @@ def expert_gemm_stats() -> dict | None:
         return None
     queries, query_ns = kernel.expert_gemm_stats()
     return {"queries": queries, "query_ms": query_ns / 1e6}
-
-
-def expert_linear_forward(x_PI: torch.Tensor, w_EOI: torch.Tensor, counts, impl: str = "auto",
-                          row_bucket: int | str = "blocks") -> torch.Tensor:
-    """``y_PO[rows] = x_PI[rows] @ w_EOI[e].T`` on each expert's rows (expert-major, ``counts[e]`` rows for expert
-    e, a host list): the forward of :func:`expert_linear_backward`'s product, one GEMM per expert issued by one host
-    call, the algorithm chosen as there (``row_bucket``). No autograd of its own (the MoE layer's
-    _GroupedExpertLinear holds it). fp32 accumulation; split-K sums only in fp32. ``impl`` as in
-    :func:`moe_permute`."""
-    counts = [int(n) for n in counts]
-    _check_expert_linear_forward_args(x_PI, w_EOI, counts)
-    code = _row_bucket_code(row_bucket, "expert_linear_forward")
-    kernel = _kernel("expert_linear_backward", x_PI, impl, library=None)  # the same build; host counts: no custom op
-    if kernel is None:
-        return expert_linear_forward_reference(x_PI, w_EOI, counts)
-    return kernel.expert_linear_forward(x_PI.contiguous(), w_EOI.contiguous(), counts, code)
 
 
 def expert_linear_backward(dy_PO: torch.Tensor, x_PI: torch.Tensor, w_EOI: torch.Tensor, counts,

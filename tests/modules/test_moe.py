@@ -228,56 +228,6 @@ def test_per_expert_backward_equals_the_grouped_gemms(impl, monkeypatch):
     assert not moe_module.per_expert_backward_pays(x, moe.experts.gate_up_proj, impl)  # 8 experts > 4
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("policy,forward_gemms", [("down", ["down_proj"]), ("all", ["gate_up_proj", "down_proj"]),
-                                                  ("none", [])])
-def test_per_expert_forward_runs_the_gemms_the_policy_names(impl, policy, forward_gemms, monkeypatch):
-    """Where the backward is per expert, LOONGFORGE_PER_EXPERT_FORWARD picks the forward GEMMs that run per expert
-    too (expert_linear_forward on the same host counts; default "down"): output and every gradient equal the
-    grouped GEMMs', idle experts' gradients are zeros. A bad value is an error naming the variable."""
-    import ds_loongforge.modules.moe as moe_module
-
-    dtype = torch.bfloat16 if impl == "cuda" else torch.float32
-    moe = ExpertMaskedMoE(32, 48, 8, 2, impl=impl, device=impl, dtype=dtype)
-    with torch.no_grad():
-        moe.gate.weight[6:] = -10.0  # experts 6, 7 idle
-    x = torch.rand(300, 32, device=impl, dtype=dtype) + 0.1
-    dy = torch.randn(300, 32, device=impl, dtype=dtype)
-    weights = {id(moe.experts.gate_up_proj): "gate_up_proj", id(moe.experts.down_proj): "down_proj"}
-    calls = []
-    real = moe_module.expert_linear_forward
-
-    def spy(x_PI, w_EOI, counts, **kw):
-        calls.append((weights[id(w_EOI)], counts))
-        return real(x_PI, w_EOI, counts, **kw)
-
-    monkeypatch.setattr(moe_module, "expert_linear_forward", spy)
-    monkeypatch.setattr(moe_module, "PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT", 1)
-    if policy == "down":
-        monkeypatch.delenv("LOONGFORGE_PER_EXPERT_FORWARD", raising=False)  # the default
-    else:
-        monkeypatch.setenv("LOONGFORGE_PER_EXPERT_FORWARD", policy)
-    ours, names = _run(moe, x, dy)
-    assert [name for name, _ in calls] == forward_gemms
-    assert all(counts == moe.last_routing.tokens_per_expert_E.tolist() for _, counts in calls)
-    moe.expert_compute = "grouped_mm"
-    grouped, _ = _run(moe, x, dy)
-    assert len(calls) == len(forward_gemms), "grouped_mm keeps torch's grouped GEMM"
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    for name, a, b in zip(names, ours, grouped):
-        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
-        if name.startswith("experts."):
-            assert torch.count_nonzero(a[6:]) == 0 and torch.count_nonzero(a[:6]) > 0, name
-    moe.expert_compute = "auto"
-    with torch.no_grad():  # no backward: no host counts, torch's grouped GEMM
-        moe(x)
-    assert len(calls) == len(forward_gemms)
-    monkeypatch.setenv("LOONGFORGE_PER_EXPERT_FORWARD", "gate_up")
-    with pytest.raises(ValueError, match=r"LOONGFORGE_PER_EXPERT_FORWARD must be one of \('down', 'all', 'none'\), "
-                                         "got 'gate_up'"):
-        moe(x)
-
-
 def test_host_counts_are_the_counts_at_the_copy():
     from ds_loongforge.modules.moe import HostCounts
 

@@ -560,7 +560,7 @@ def test_topk_counts_bad_input_is_a_clear_error(impl):
             topk_counts(v.double(), 2, impl=impl)
 
 
-# expert_linear_forward / expert_linear_backward: (counts, I, O); the per-expert GEMMs of the MoE layer
+# expert_linear_backward: (counts, I, O); the per-expert backward GEMMs of the MoE layer
 EXPERT_LINEAR_SHAPES = [
     pytest.param([0, 0, 0], 16, 8, id="no_rows"),                   # a rank nothing was routed to: dw zeros
     pytest.param([1], 1, 1, id="one_element"),
@@ -575,7 +575,7 @@ EXPERT_LINEAR_SHAPES = [
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("counts,in_features,out_features", EXPERT_LINEAR_SHAPES)
-def test_expert_linear_matches_fp64(impl, dtype, counts, in_features, out_features):
+def test_expert_linear_backward_matches_fp64(impl, dtype, counts, in_features, out_features):
     from ds_loongforge.ops.numerics import expert_linear_checks
 
     gen = torch.Generator(device=device_of(impl)).manual_seed(sum(counts) + in_features)
@@ -583,11 +583,10 @@ def test_expert_linear_matches_fp64(impl, dtype, counts, in_features, out_featur
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_expert_linear_is_the_grouped_mm_and_its_gradients_only_those_asked(impl):
-    """The forward op is the grouped GEMM it replaces (F.grouped_mm where this torch has it, else the per-expert
-    product), and the backward op's dx and dw are the gradients autograd gives that GEMM, dw in the weight's own
-    layout; need_* False gives None."""
-    from ds_loongforge.ops.moe_dispatch import expert_linear_backward, expert_linear_forward
+def test_expert_linear_backward_gradients_are_grouped_mms_and_only_those_asked(impl):
+    """The op's dx and dw are the gradients autograd gives the grouped GEMM it replaces (F.grouped_mm where this
+    torch has it, else the per-expert product), dw in the weight's own layout; need_* False gives None."""
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
 
     device = device_of(impl)
     counts, I, O = [40, 0, 25, 7], 32, 48
@@ -601,12 +600,9 @@ def test_expert_linear_is_the_grouped_mm_and_its_gradients_only_those_asked(impl
     else:
         y = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))])
     want_dx, want_dw = torch.autograd.grad(y, (x, w), dy)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    ours_y = expert_linear_forward(x.detach(), w.detach(), counts, impl=impl)
-    assert ours_y.shape == y.shape and ours_y.dtype == dtype and not ours_y.requires_grad
-    torch.testing.assert_close(ours_y, y.detach(), **tol)
     dx, dw = expert_linear_backward(dy, x.detach(), w.detach(), counts, impl=impl)
     assert dw.shape == w.shape and dw.is_contiguous()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, want_dx, **tol)
     torch.testing.assert_close(dw, want_dw, **tol)
     assert torch.count_nonzero(dw[1]) == 0
@@ -617,27 +613,22 @@ def test_expert_linear_is_the_grouped_mm_and_its_gradients_only_those_asked(impl
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_expert_linear_is_bitwise_deterministic_and_row_bucket_only_picks_an_algorithm(impl):
+def test_expert_linear_backward_is_bitwise_deterministic_and_row_bucket_only_picks_an_algorithm(impl):
     """Each row-count grouping gives the same bits call after call; a grouping chooses CUDA's algorithm and
     nothing else: the groupings agree within bf16's rounding on CUDA (each within the 2x rule of fp64: the GPU test
     below) and bit for bit on the CPU's ATen products."""
-    from ds_loongforge.ops.moe_dispatch import expert_linear_backward, expert_linear_forward
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
 
     device = device_of(impl)
     counts = [333, 0, 1024, 77]
     dy = torch.randn(sum(counts), 256, device=device).bfloat16()
     x = torch.randn(sum(counts), 128, device=device).bfloat16()
     w = torch.randn(4, 256, 128, device=device).bfloat16()
-
-    def both(**kw):
-        return (expert_linear_forward(x, w, counts, impl=impl, **kw),
-                *expert_linear_backward(dy, x, w, counts, impl=impl, **kw))
-
-    default = both()
+    default = expert_linear_backward(dy, x, w, counts, impl=impl)
     for row_bucket in ("blocks", "octave", 128, 64, 1, "exact"):
-        first = both(row_bucket=row_bucket)
+        first = expert_linear_backward(dy, x, w, counts, impl=impl, row_bucket=row_bucket)
         for _ in range(2):
-            again = both(row_bucket=row_bucket)
+            again = expert_linear_backward(dy, x, w, counts, impl=impl, row_bucket=row_bucket)
             assert all(torch.equal(a, b) for a, b in zip(first, again))
         for a, b in zip(default, first):
             if device == "cpu":
@@ -655,9 +646,9 @@ def test_expert_linear_backward_backends():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("row_bucket", ["blocks", "octave", 128, 64, "exact"])
-def test_expert_linear_cuda_runs_cublaslt_over_fresh_row_counts(row_bucket):
-    """On the device: the ops are built with cuBLASLt, and the algorithm cached for each row-count bucket gives the
-    per-expert torch.mm results (within bf16's 2x rule; forward and backward) for 40 fresh skewed routings of the e2e mixtral shape's
+def test_expert_linear_backward_cuda_runs_cublaslt_over_fresh_row_counts(row_bucket):
+    """On the device: the op is built with cuBLASLt, and the algorithm cached for each row-count bucket gives the
+    per-expert torch.mm results (within bf16's 2x rule) for 40 fresh skewed routings of the e2e mixtral shape's
     down projection (rows in many buckets, the bucket's upper end asked, smaller sizes run), plus unaligned rows,
     under every row-count grouping."""
     from ds_loongforge.ops.moe_dispatch import expert_gemm_backend
@@ -673,8 +664,8 @@ def test_expert_linear_cuda_runs_cublaslt_over_fresh_row_counts(row_bucket):
 
 
 @pytest.mark.parametrize("impl", IMPLS_AND_REFERENCE)
-def test_expert_linear_bad_input_is_a_clear_error(impl):
-    from ds_loongforge.ops.moe_dispatch import expert_linear_backward, expert_linear_forward
+def test_expert_linear_backward_bad_input_is_a_clear_error(impl):
+    from ds_loongforge.ops.moe_dispatch import expert_linear_backward
 
     device = device_of(impl)
     dy, x, w = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device), torch.randn(2, 8, 4, device=device)
@@ -700,30 +691,3 @@ def test_expert_linear_bad_input_is_a_clear_error(impl):
             module.expert_linear_backward(torch.randn(8, 6, device=device).t(), x, w, [3, 3], True, True)
         with pytest.raises(RuntimeError, match="row_bucket must be 0 .*, a positive row step, -1 .* or -2 .*, got -3"):
             module.expert_linear_backward(dy, x, w, [3, 3], True, True, -3)
-
-    # the forward
-    with pytest.raises(ValueError, match=r"expert_linear_forward: counts must be 2 group sizes >= 0 summing to the 6 "
-                                         r"rows of x_PI, got \[3, 2\]"):
-        expert_linear_forward(x, w, [3, 2], impl=impl)
-    with pytest.raises(ValueError, match=r"expert_linear_forward: counts must be 2 group sizes .* got \[7, -1\]"):
-        expert_linear_forward(x, w, [7, -1], impl=impl)
-    with pytest.raises(ValueError, match=r"expert_linear_forward: x_PI \[P, I\] and w_EOI \[E, O, I\] expected, got "
-                                         r"shapes \(6, 4\) and \(2, 4, 8\)"):
-        expert_linear_forward(x, w.transpose(1, 2), [3, 3], impl=impl)
-    with pytest.raises(ValueError, match="expert_linear_forward: one dtype for both, got x_PI torch.float64"):
-        expert_linear_forward(x.double(), w, [3, 3], impl=impl)
-    with pytest.raises(ValueError, match=r"expert_linear_forward: row_bucket must be one of .* got 'tile'"):
-        expert_linear_forward(x, w, [3, 3], impl=impl, row_bucket="tile")
-    if impl != "reference":
-        with pytest.raises(RuntimeError, match="expert_linear_forward: the group sizes sum to 5 but x_PI has 6 rows"):
-            module.expert_linear_forward(x, w, [3, 2])
-        with pytest.raises(RuntimeError, match="expert_linear_forward: 3 group sizes for 2 experts"):
-            module.expert_linear_forward(x, w, [3, 3, 0])
-        with pytest.raises(RuntimeError, match="expert_linear_forward: x_PI must be float32, float16 or bfloat16"):
-            module.expert_linear_forward(x.double(), w.double(), [3, 3])
-        with pytest.raises(RuntimeError, match="expert_linear_forward: w_EOI must be contiguous"):
-            module.expert_linear_forward(x, torch.randn(2, 4, 8, device=device).transpose(1, 2), [3, 3])
-        with pytest.raises(RuntimeError, match="expert_linear_forward: w_EOI is Half but x_PI is Float"):
-            module.expert_linear_forward(x, w.half(), [3, 3])
-        with pytest.raises(RuntimeError, match="row_bucket must be 0 .*, a positive row step, -1 .* or -2 .*, got -3"):
-            module.expert_linear_forward(x, w, [3, 3], -3)
