@@ -238,7 +238,9 @@ EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 # diagnose_grouped_gemm --host-cost: 2.21 vs 2.26 ms grouped at the e2e mixtral shape (8 experts, 16384 rows),
 # 16.5 vs 18.2 ms at bench_moe's mixtral_like; with 64 experts of ~1024 rows the per-expert GEMMs ran at half
 # the grouped rate (ab44d7f). The forward keeps the grouped GEMM: its group sizes are not on the host without a
-# wait that would empty the device's queue.
+# wait that would empty the device's queue. Measured at 08bca89 (H100): the down GEMM per expert in the forward,
+# behind that wait, took bench_moe's mixtral_like layer from 26.43 to 26.17 ms but the e2e mixtral step from 74.8
+# to 80.6 ms, the forward's device time from 18.9 to 29.3 ms: the host's lead went into the wait.
 PER_EXPERT_BACKWARD_MAX_EXPERTS = 16
 PER_EXPERT_BACKWARD_MIN_ROWS_PER_EXPERT = 1024
 
