@@ -1213,7 +1213,7 @@ def _recorded_masters(engine, folder: str, states: dict, flat: bool) -> list | N
             return recorded.experts(name, 0, param.shape[0])
         if recorded.expert[name] or (param is not None and is_moe_param(param)):
             return None  # experts of another kind (DeepSpeed's own MoE: one parameter an expert, named locally)
-        return recorded.ranks[0][name]
+        return recorded.master(name)
 
     return _masters_in_engine_groups(engine, recorded.expert, fetch, flat)
 

@@ -295,7 +295,7 @@ def sixteen_bit_masters(folder: str, states: dict, saved_weights: dict[str, torc
             "weights the model ran with (source='module', --source module), or save with ds_loongforge installed")
     recorded = RecordedMasters(folder, states, record)
     experts = recorded.expert
-    out = {name: recorded.experts(name) if expert else recorded.ranks[0][name] for name, expert in experts.items()}
+    out = {name: recorded.master(name) for name in experts}
     for name in sorted(name for name, expert in experts.items() if expert):
         want = saved_weights.get(name)
         if want is not None and want.dim() and out[name].shape[0] != want.shape[0]:
@@ -350,7 +350,10 @@ class RecordedMasters:
         return torch.cat([self.ranks[r][name][max(lo, r * local) - r * local:min(hi, (r + 1) * local) - r * local]
                           for r in range(lo // local, (hi - 1) // local + 1)])
 
-
+    def master(self, name: str) -> torch.Tensor | None:
+        """The whole saved master of ``name``: every expert of an expert parameter, in global order; a dense one's
+        from the first file (every expert-parallel rank holds the same)."""
+        return self.experts(name) if self.expert[name] else self.ranks[0][name]
 
 
 def masters_by_record(record: dict, saved: dict | None, path: str) -> dict[str, torch.Tensor]:
