@@ -11,6 +11,9 @@ GPU's now (NOTES: "a step that is now the GPU's"), so only device time counts:
    under torch.profiler, their kernels' device time summed per name, and the names whose time differs most (a
    kernel only one of them runs shows as all of its time), and how SDPA was called in each (mask, GQA, causal).
 4. sdpa_graph: the attention alone, as eager calls it, eager against a graph of it, with its kernels.
+5. skip_swiglu: fwd+bwd with the MoE layers' SwiGLU kernels gone (outputs replayed from a real call), against the
+   real fwd+bwd round by round: the most a SwiGLU fused into the expert GEMMs' epilogues could save at the power
+   cap.
 
 The model is launch/train.py's preset with LoongForge injected (bf16, fused loss), without DeepSpeed; the timings
 are device times (benchmarks/harness.Timer with a head start long enough for the host to queue a whole step).
@@ -219,7 +222,79 @@ def graph_kernels(model, ids, timer, iters: int = 3, top: int = 25) -> dict:
                                     for d, n in diff[:top]]}
 
 
-LEVERS = {"overlap": overlap, "graph": graph, "graph_kernels": graph_kernels, "sdpa_graph": sdpa_graph}
+def skip_swiglu(model, ids, timer, rounds: int = 30) -> dict:
+    """The upper bound of the lever left inside the expert GEMMs: SwiGLU in the gate_up GEMM's epilogue (and its
+    backward in the down GEMM's input-gradient epilogue) would save at most the SwiGLU kernels' own device time
+    and energy. The same fwd+bwd with every MoE layer's SwiGLU kernels gone, their outputs and input gradients
+    replayed from a real call (real values of the same shape, so the GEMMs downstream see real data and draw real
+    power), timed round by round against the real step at the same clocks. Timings only: the replayed step's
+    numbers are not the model's."""
+    import statistics
+
+    import ds_loongforge.modules.moe as moe
+
+    real = moe.swiglu_dropout
+    recorded: dict[str, torch.Tensor] = {}
+
+    def recording(gate_up, *args, **kwargs):
+        out = real(gate_up, *args, **kwargs)
+        if "out" not in recorded and gate_up.requires_grad:
+            recorded["out"] = out.detach().clone()
+            gate_up.register_hook(lambda g: recorded.setdefault("grad", g.detach().clone()))
+        return out
+
+    class Replayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gate_up):
+            return recorded["out"].detach()  # an alias: no kernel
+
+        @staticmethod
+        def backward(ctx, dout):
+            return recorded["grad"].detach()
+
+    replays = [0]
+
+    def replayed(gate_up, *args, **kwargs):
+        if gate_up.shape != recorded["grad"].shape:  # another row count (expert parallelism): the real kernel
+            return real(gate_up, *args, **kwargs)
+        replays[0] += 1
+        return Replayed.apply(gate_up)
+
+    def step(fn):
+        def run():
+            moe.swiglu_dropout = fn
+            try:
+                model(input_ids=ids, labels=ids).loss.backward()
+            finally:
+                moe.swiglu_dropout = real
+        return run
+
+    step(recording)()
+    if "out" not in recorded or "grad" not in recorded:
+        raise RuntimeError("skip_swiglu: no MoE layer called swiglu_dropout with a gradient (is this an MoE model "
+                           "injected with ExpertMaskedMoE?)")
+    step(replayed)()
+    per_step = replays[0]
+    saved = timer.repeats
+    timer.repeats = rounds
+    try:
+        times = timer.interleaved_times({"real": step(real), "skipped": step(replayed)})
+    finally:
+        timer.repeats = saved
+    diffs = sorted(r - s for r, s in zip(times["real"], times["skipped"]))
+    real_ms, skipped_ms = statistics.median(times["real"]), statistics.median(times["skipped"])
+    kernels, _ = _kernel_ms(step(real), 3)
+    swiglu = {n[:120]: round(t, 4) for n, t in kernels.items() if "swiglu" in n}
+    return {"swiglu_calls_replayed_per_step": per_step, "rounds": rounds,
+            "real_fwd_bwd_ms": real_ms, "skipped_fwd_bwd_ms": skipped_ms,
+            "saved_ms_median_of_paired": statistics.median(diffs), "saved_ms_p10_p90": [diffs[len(diffs) // 10],
+                                                                                      diffs[(9 * len(diffs)) // 10]],
+            "saved_share": (real_ms - skipped_ms) / real_ms,
+            "swiglu_kernels_ms_per_step_real": swiglu, "swiglu_kernels_sum_ms": round(sum(swiglu.values()), 4)}
+
+
+LEVERS = {"overlap": overlap, "graph": graph, "graph_kernels": graph_kernels, "sdpa_graph": sdpa_graph,
+          "skip_swiglu": skip_swiglu}
 
 
 def main():
