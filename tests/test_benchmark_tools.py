@@ -228,3 +228,71 @@ def test_gpu_only_scripts_answer_help_and_say_they_need_a_gpu(name, monkeypatch,
     with pytest.raises(SystemExit) as info:
         module.main()
     assert "needs a CUDA GPU" in str(info.value.code)
+
+
+def test_skip_swiglu_replays_every_moe_layers_swiglu_and_restores_the_op(monkeypatch):
+    """diagnose_e2e_levers' skip_swiglu times the model with its MoE layers' SwiGLU replayed from a real call: in
+    the replayed step every layer's call is replayed (the op never runs), the gradients still reach every trained
+    parameter, the real step runs the op in every layer, and the module's swiglu_dropout is put back afterwards,
+    also when a step raises."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+    import bench_e2e
+    import train
+
+    import ds_loongforge.modules.moe as moe
+    from benchmarks import diagnose_e2e_levers as levers
+    from ds_loongforge.integrations.inject import inject
+
+    torch.manual_seed(0)
+    model = train.build_model("tiny", 32000, 32)
+    inject(model, bench_e2e.make_ds_config(True, 2, "text"))
+    layers = sum(isinstance(m, moe.ExpertMaskedMoE) for m in model.modules())
+    assert layers >= 2
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    calls = []
+    original = moe.swiglu_dropout
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "swiglu_dropout", counted)
+    monkeypatch.setattr(levers, "_kernel_ms", lambda run, iters: ({"swiglu_fwd_kernel": 0.25, "gemm": 1.0}, 2))
+    ran = {}
+
+    class Timer:
+        repeats = 7
+
+        def interleaved_times(self, fns):
+            out = {}
+            assert self.repeats == 3  # the lever's rounds
+            for name, fn in fns.items():
+                model.zero_grad(set_to_none=True)
+                calls.clear()
+                fn()
+                ran[name] = len(calls)
+                assert moe.swiglu_dropout is counted
+                assert all(p.grad is not None for p in model.parameters() if p.requires_grad), name
+                out[name] = [1.0 + (name == "real")] * self.repeats
+            return out
+
+    timer = Timer()
+    result = levers.skip_swiglu(model, ids, timer, rounds=3)
+    assert ran == {"real": layers, "skipped": 0}
+    assert result["swiglu_calls_replayed_per_step"] == layers
+    assert result["rounds"] == 3 and result["saved_ms_median_of_paired"] == 1.0
+    assert result["swiglu_kernels_ms_per_step_real"] == {"swiglu_fwd_kernel": 0.25}
+    assert timer.repeats == 7 and moe.swiglu_dropout is counted  # the timer's own repeats put back
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "forward", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        levers.skip_swiglu(model, ids, timer, rounds=3)
+    assert moe.swiglu_dropout is counted
