@@ -40,6 +40,18 @@ def _fresh_seed(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _strict_ops_as_found():
+    """inject and deepspeed.initialize apply a block's ``strict_ops`` to the whole process (``set_strict_ops``):
+    each test leaves the setting as it found it, so a GPU config's ``strict_ops: true`` in one test cannot turn a
+    later test's build-failure fallback into an error."""
+    from ds_loongforge.ops import _dispatch
+
+    saved = _dispatch._strict_override
+    yield
+    _dispatch.set_strict_ops(saved)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _release_deepspeed_shm_buffers():
     """DeepSpeed's CPU all-reduce leaves one /dev/shm buffer per rank of every launcher-style run (69 MB each;

@@ -235,12 +235,11 @@ def test_skip_swiglu_replays_every_moe_layers_swiglu_and_restores_the_op(monkeyp
     the replayed step every layer's call is replayed (the op never runs), the gradients still reach every trained
     parameter, the real step runs the op in every layer, and the module's swiglu_dropout is put back afterwards,
     also when a step raises."""
-    import sys
     from pathlib import Path
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "launch"))
     import bench_e2e
     import train
 
@@ -248,11 +247,6 @@ def test_skip_swiglu_replays_every_moe_layers_swiglu_and_restores_the_op(monkeyp
     from benchmarks import diagnose_e2e_levers as levers
     from ds_loongforge.integrations.inject import inject
 
-    from ds_loongforge.ops import _dispatch
-
-    # inject applies the block's strict_ops to the whole process: put the setting back after the test (a GPU
-    # config's strict_ops left on made a later test's build-failure fallback raise)
-    monkeypatch.setattr(_dispatch, "_strict_override", _dispatch._strict_override)
     torch.manual_seed(0)
     model = train.build_model("tiny", 32000, 32)
     inject(model, bench_e2e.make_ds_config(False, 2, "text"))
