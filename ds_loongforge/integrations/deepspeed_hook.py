@@ -158,10 +158,6 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     model = call.get("model")
     if model is None:
         raise ValueError("ds_loongforge.initialize: no model given (deepspeed.initialize requires a model)")
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise ValueError("ds_loongforge.initialize: the model was built under deepspeed.zero.Init (ZeRO-3), so its "
-                         "parameters are already partitioned and cannot be copied into LoongForge modules; build "
-                         "the model without zero.Init, or set \"loongforge\": {\"enabled\": false}")
     fused_adamw_clip = uses_fused_adamw_clip(ds_config)
     if fused_adamw_clip:
         check_zero_setup(ds_config)  # before inject: nothing changed when the setup cannot run

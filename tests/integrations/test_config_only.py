@@ -455,6 +455,140 @@ def test_hf_trainer_with_deepspeed_config(tmp_path, accelerate_installed):
     assert result["timer_synchronized"] is False
 
 
+# a model loaded under deepspeed.zero.Init (ZeRO-3: transformers' from_pretrained does it while a ZeRO-3 config is
+# registered, as the HF Trainer's TrainingArguments does), a Mixtral and a dense Llama (its MLPs fused into
+# FusedSwiGLUMLP), per dtype in argv[2] (comma-separated), with the block:
+# injected directly (every parameter must stay partitioned), then trained 3 steps through deepspeed.initialize beside
+# the same checkpoint loaded whole; losses, the gathered weights and the module types of both
+ZERO_INIT_SCRIPT = MODEL_SNIPPET + """
+import os
+import deepspeed
+import ds_loongforge
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+deepspeed.init_distributed(dist_backend="gloo")
+here = os.path.dirname(os.path.abspath(sys.argv[1]))
+llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+if torch.distributed.get_rank() == 0:
+    model.save_pretrained(os.path.join(here, "mixtral"))
+    llama.save_pretrained(os.path.join(here, "llama"))
+torch.distributed.barrier()
+torch.manual_seed(1)
+batches = torch.randint(0, 64, (3, 2, 16))
+out = {}
+for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in sys.argv[2].split(",")):
+    folder, cls = os.path.join(here, kind), {"mixtral": MixtralForCausalLM, "llama": LlamaForCausalLM}[kind]
+    config = {**json.load(open(sys.argv[1])), dtype: {"enabled": True}}
+    config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * torch.distributed.get_world_size()
+
+    def load(zero_init):
+        hf_config = HfDeepSpeedConfig(config) if zero_init else None  # registered while it lives
+        loaded = cls.from_pretrained(folder)
+        del hf_config
+        return loaded
+
+    probe = load(True)
+    partitioned_before = all(hasattr(p, "ds_id") for p in probe.parameters())
+    ds_loongforge.inject(probe, config)
+    partitioned = [n for n, p in probe.named_parameters() if hasattr(p, "ds_id") and p.data.numel() == 0]
+    runs = {}
+    for zero_init in (False, True):
+        engine, *_ = deepspeed.initialize(model=load(zero_init), config=config)
+        losses = []
+        for ids in batches:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        runs[zero_init] = (losses, weights, sorted({type(m).__name__ for m in engine.module.modules()}))
+    (losses, weights, types), (zlosses, zweights, ztypes) = runs[False], runs[True]
+    out[f"{kind} {dtype}"] = {"partitioned_before": partitioned_before, "params": len(list(probe.parameters())),
+                  "partitioned_after_inject": len(partitioned), "losses": losses, "zero_init_losses": zlosses,
+                  "types": types, "zero_init_types": ztypes, "names_equal": sorted(weights) == sorted(zweights),
+                  "weights_differing": [n for n in weights if not torch.equal(weights[n], zweights.get(n))]}
+print("RESULT " + json.dumps(out))
+leave()
+"""
+
+
+def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, autoload_installed):
+    """A model whose parameters ZeRO-3 partitioned as it was built (``deepspeed.zero.Init``) is injected one module
+    at a time, gathered to build each replacement and its new Parameters partitioned right after, so it is never
+    whole on a rank; on 2 ranks, a Mixtral and a dense Llama, fp32 and bf16, its 3 steps' losses and weights are those of the same checkpoint
+    loaded whole, bit for bit. Before, such a model was refused."""
+    config = {**DS_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 1.0}
+    output = _run_script(tmp_path, ZERO_INIT_SCRIPT, config, "fp32,bf16", ranks=2)
+    runs = _result(output)
+    assert sorted(runs) == ["llama bf16", "llama fp32", "mixtral bf16", "mixtral fp32"], sorted(runs)
+    for case, run in runs.items():
+        assert run["partitioned_before"], (case, run)
+        assert run["partitioned_after_inject"] == run["params"], (case, run)  # gate_up, experts, routers included
+        ours, stock = ((OUR_TYPES, STOCK_TYPES) if case.startswith("mixtral")
+                       else ({"FusedRMSNorm", "FusedSwiGLUMLP"}, {"LlamaRMSNorm", "LlamaMLP"}))
+        assert ours <= set(run["zero_init_types"]) and not stock & set(run["zero_init_types"]), (case, run)
+        # the fused LM head is not installed over a ZeRO-3 head (its weight is gathered only inside its own forward;
+        # on the model loaded whole it is installed and then runs the original forward once ZeRO-3 partitions it)
+        assert set(run["zero_init_types"]) == set(run["types"]) - {"_DeferredLMHead"}, run
+        assert run["names_equal"] and run["weights_differing"] == [], (case, run)
+        assert run["zero_init_losses"] == run["losses"], (case, run)
+        assert len(set(run["losses"])) == 3, run  # the steps trained
+
+
+# the HF Trainer under a ZeRO-3 config: TrainingArguments registers it, so from_pretrained builds the model under
+# zero.Init; argv[3] "1": the block (from argv[1]'s config), else none; the logged losses
+TRAINER_ZERO_INIT_SCRIPT = MODEL_SNIPPET + """
+import os
+from transformers import Trainer, TrainingArguments
+
+folder = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "model")
+if int(os.environ.get("RANK", "0")) == 0:
+    model.save_pretrained(folder)
+config = json.load(open(sys.argv[1]))
+if sys.argv[3] != "1":
+    config.pop("loongforge")
+args = TrainingArguments(output_dir=sys.argv[2], deepspeed=config, max_steps=3, per_device_train_batch_size=2,
+                         learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+torch.distributed.barrier()
+model = MixtralForCausalLM.from_pretrained(folder)
+partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]
+trainer = Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+print("TRAINED " + json.dumps({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                               "built_partitioned": partitioned}))
+report(trainer.model_wrapped.module, trainer.optimizer, trainer.model_wrapped)
+leave()
+"""
+
+
+def test_hf_trainer_zero3_model_built_under_zero_init(tmp_path, accelerate_installed):
+    """The HF Trainer with a ZeRO-3 config builds the model under zero.Init; the block alone injects it and the
+    Trainer's 3 logged losses on 2 ranks are stock's (the fused kernels' sums in another order: 1e-5)."""
+    config = {**HF_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "gradient_clipping": 1.0}
+    runs = {}
+    for block in ("1", "0"):
+        (tmp_path / block).mkdir()
+        output = _run_script(tmp_path / block, TRAINER_ZERO_INIT_SCRIPT, config, str(tmp_path / block / "out"),
+                             block, ranks=2)
+        runs[block] = _tagged(output, "TRAINED")
+        assert runs[block]["built_partitioned"], runs
+        types = set(_result(output)["types"])
+        if block == "1":
+            assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
+            assert "[LoongForge] fused RMSNorm: 5 modules" in output
+        else:
+            assert not OUR_TYPES & types, sorted(types)
+    ours, stock = runs["1"]["losses"], runs["0"]["losses"]
+    assert len(ours) == len(stock) == 3 and len(set(stock)) == 3, runs
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, stock)), runs
+
+
 def test_hf_trainer_torch_compile_trains_the_injected_model_as_eager(tmp_path, accelerate_installed):
     """``TrainingArguments(torch_compile=True)`` with the block: the Trainer has DeepSpeed compile the engine, which
     then runs the injected modules (custom ops under compile), and the two steps' losses are the eager run's."""
