@@ -18,8 +18,11 @@ from the LM head's input, chunk by chunk, and never builds the logits:
 * Any other call (no labels, eval mode, no grad: evaluation and generation; ``return_dict=False``, whose tuple
   would lose the logits' position) runs the original forward unchanged.
   A training call that passes ``logits_to_keep`` other than 0, a model whose ``loss_function`` is not
-  transformers' ``ForCausalLMLoss``, or an LM head whose weight is partitioned by ZeRO-3 also runs the original
-  (logged once per reason).
+  transformers' ``ForCausalLMLoss``, or an LM head replaced since install whose weight ZeRO-3 partitioned (the
+  new weight is then registered for the next call) also runs the original (logged once per reason).
+* ZeRO-3: the head's weight is registered as an external parameter of the model (DeepSpeed's
+  ``register_external_parameter``), so ZeRO-3 gathers it for the model's whole forward and backward, where the
+  fused loss reads it, and not for the head's own forward alone.
 
 Which models: the ``<Family>ForCausalLM`` classes of the preset families whose ``forward`` has transformers'
 shape, checked on its source (ast): ``hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)``,
@@ -44,6 +47,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import textwrap
 import types
 
@@ -103,6 +107,7 @@ def install_fused_loss(model: nn.Module) -> str | None:
 
     Returns None when installed (or already installed), else the reason it was not (the model is unchanged)."""
     if uses_fused_loss(model):
+        _register_head_weight(model)
         return None
     cls = type(model)
     name = cls.__name__
@@ -116,11 +121,31 @@ def install_fused_loss(model: nn.Module) -> str | None:
         return f"{name}: its forward adds router_aux_loss_coef * aux_loss but the model has no router_aux_loss_coef"
 
     model.lm_head.__class__ = _DeferredLMHead
+    _register_head_weight(model)
     previous = model.__dict__.get("forward")
     if previous is not None:
         setattr(model, _INNER, previous)
     model.forward = types.MethodType(_make_forward(cls, spec), model)
     return None
+
+
+def _register_head_weight(model: nn.Module) -> bool:
+    """Whether ZeRO-3 gathers ``lm_head.weight`` for ``model``'s whole forward and backward: the fused loss reads it
+    in the model's forward, after the head's own forward (where ZeRO-3 would gather it for the head alone) has
+    returned. DeepSpeed's ``register_external_parameter`` is its API for a parameter used outside its module; the
+    Parameter object is registered, so one registered before ZeRO-3 partitions it in place (deepspeed.initialize)
+    stays registered. Idempotent. Only once DeepSpeed is imported (inject inside deepspeed.initialize, or a script
+    that imported it): a model injected before that registers at its first call with a partitioned head weight
+    (``_call_problem``), or at the next inject (deepspeed.initialize's)."""
+    weight = model.lm_head.weight
+    if id(weight) in getattr(model, "_external_params", {}):
+        return True
+    if "deepspeed" not in sys.modules:
+        return False
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    register_external_parameter(model, weight)
+    return True
 
 
 def _model_problem(model: nn.Module) -> str | None:
@@ -140,9 +165,6 @@ def _model_problem(model: nn.Module) -> str | None:
         return f"lm_head is {type(head).__name__}, not a plain nn.Linear (e.g. wrapped by PEFT or quantized)"
     if head.bias is not None:
         return "lm_head has a bias (linear_cross_entropy takes a bias-free weight)"
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        return ("its parameters are partitioned by ZeRO-3 (ds_id); the LM head's weight is only gathered inside "
-                "its own forward, so the fused loss cannot read it")
     if _is_dtensor(head.weight):
         return "lm_head.weight is a DTensor (tensor parallel): the fused loss needs the whole vocabulary locally"
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -326,8 +348,11 @@ def _call_problem(model: nn.Module, kwargs: dict) -> str | None:
         head.__class__ = _DeferredLMHead
     elif not isinstance(head, _DeferredLMHead):
         return f"lm_head is now {type(head).__name__}"
-    if hasattr(head.weight, "ds_id"):
-        return "lm_head.weight is partitioned by ZeRO-3"
+    if hasattr(head.weight, "ds_id") and id(head.weight) not in getattr(model, "_external_params", {}):
+        # a head replaced since install (resize_token_embeddings): its weight was gathered for the head's forward
+        # alone; registered from the next call on
+        _register_head_weight(model)
+        return "lm_head.weight is partitioned by ZeRO-3 and was not registered with the model before this call"
     if model.loss_function is not ForCausalLMLoss:
         return "loss_function is no longer ForCausalLMLoss"
     return None

@@ -467,7 +467,9 @@ import ds_loongforge
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-deepspeed.init_distributed(dist_backend="gloo")
+from deepspeed.accelerator import get_accelerator
+
+deepspeed.init_distributed(dist_backend="nccl" if os.environ.get("DS_ACCELERATOR") == "cuda" else "gloo")
 here = os.path.dirname(os.path.abspath(sys.argv[1]))
 llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
@@ -476,7 +478,7 @@ if torch.distributed.get_rank() == 0:
     llama.save_pretrained(os.path.join(here, "llama"))
 torch.distributed.barrier()
 torch.manual_seed(1)
-batches = torch.randint(0, 64, (3, 2, 16))
+batches = torch.randint(0, 64, (3, 2, 16)).to(get_accelerator().current_device_name())
 out = {}
 for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in sys.argv[2].split(",")):
     folder, cls = os.path.join(here, kind), {"mixtral": MixtralForCausalLM, "llama": LlamaForCausalLM}[kind]
@@ -515,14 +517,20 @@ leave()
 """
 
 
-def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, autoload_installed):
+@pytest.mark.parametrize("accelerator, dtypes, ranks", [
+    ("cpu", "fp32,bf16", 2),
+    pytest.param("cuda", "fp32,bf16", 1, marks=pytest.mark.gpu),  # our CUDA kernels; one GPU is lent
+])
+def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, accelerator, dtypes, ranks):
     """A model whose parameters ZeRO-3 partitioned as it was built (``deepspeed.zero.Init``) is injected one module
     at a time, gathered to build each replacement and its new Parameters partitioned right after, so it is never
-    whole on a rank; on 2 ranks, a Mixtral and a dense Llama, fp32 and bf16, its 3 steps' losses and weights are those of the same checkpoint
+    whole on a rank; on 2 CPU ranks (and one GPU), a Mixtral and a dense Llama, fp32 and bf16, its 3 steps' losses and weights are those of the same checkpoint
     loaded whole, bit for bit. Before, such a model was refused."""
     config = {**DS_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 1.0}
-    output = _run_script(tmp_path, ZERO_INIT_SCRIPT, config, "fp32,bf16", ranks=2)
+    output = _run_script(tmp_path, AUTOLOAD + ZERO_INIT_SCRIPT, config, dtypes, ranks=ranks,
+                         env={"DS_ACCELERATOR": accelerator})
+    assert "runs the original forward" not in output  # the fused loss ran in every call, its head weight gathered
     runs = _result(output)
     assert sorted(runs) == ["llama bf16", "llama fp32", "mixtral bf16", "mixtral fp32"], sorted(runs)
     for case, run in runs.items():
@@ -531,9 +539,7 @@ def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, autol
         ours, stock = ((OUR_TYPES, STOCK_TYPES) if case.startswith("mixtral")
                        else ({"FusedRMSNorm", "FusedSwiGLUMLP"}, {"LlamaRMSNorm", "LlamaMLP"}))
         assert ours <= set(run["zero_init_types"]) and not stock & set(run["zero_init_types"]), (case, run)
-        # the fused LM head is not installed over a ZeRO-3 head (its weight is gathered only inside its own forward;
-        # on the model loaded whole it is installed and then runs the original forward once ZeRO-3 partitions it)
-        assert set(run["zero_init_types"]) == set(run["types"]) - {"_DeferredLMHead"}, run
+        assert run["zero_init_types"] == run["types"] and "_DeferredLMHead" in run["types"], run  # the fused loss
         assert run["names_equal"] and run["weights_differing"] == [], (case, run)
         assert run["zero_init_losses"] == run["losses"], (case, run)
         assert len(set(run["losses"])) == 3, run  # the steps trained
@@ -567,8 +573,9 @@ leave()
 
 
 def test_hf_trainer_zero3_model_built_under_zero_init(tmp_path, accelerate_installed):
-    """The HF Trainer with a ZeRO-3 config builds the model under zero.Init; the block alone injects it and the
-    Trainer's 3 logged losses on 2 ranks are stock's (the fused kernels' sums in another order: 1e-5)."""
+    """The HF Trainer with a ZeRO-3 config builds the model under zero.Init; the block alone injects it, the fused
+    LM head + cross-entropy included (ZeRO-3 gathers the head's weight for the model's forward and backward), and
+    the Trainer's 3 logged losses on 2 ranks are stock's (the fused kernels' sums in another order: 1e-5)."""
     config = {**HF_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "gradient_clipping": 1.0}
     runs = {}
@@ -582,6 +589,7 @@ def test_hf_trainer_zero3_model_built_under_zero_init(tmp_path, accelerate_insta
         if block == "1":
             assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
             assert "[LoongForge] fused RMSNorm: 5 modules" in output
+            assert "_DeferredLMHead" in types and "runs the original forward" not in output  # the fused loss ran
         else:
             assert not OUR_TYPES & types, sorted(types)
     ours, stock = runs["1"]["losses"], runs["0"]["losses"]

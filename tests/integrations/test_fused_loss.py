@@ -233,10 +233,6 @@ def test_unsupported_models_and_calls_give_the_reason(monkeypatch, caplog):
     assert type(model.lm_head) is nn.Linear and not uses_fused_loss(model)
 
     model = build("llama")
-    model.model.layers[0].mlp.up_proj.weight.ds_id = 3  # what ZeRO-3 puts on partitioned parameters
-    assert "ZeRO-3" in install_fused_loss(model)
-
-    model = build("llama")
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
     assert "not transformers' ForCausalLMLoss" in install_fused_loss(model)
 
@@ -246,12 +242,33 @@ def test_unsupported_models_and_calls_give_the_reason(monkeypatch, caplog):
     assert "soft-caps the logits" in fused_loss._forward_spec(transformers.Gemma2ForCausalLM)
     assert "exactly once" in fused_loss._forward_spec(transformers.CohereForCausalLM)  # logits * logit_scale
 
-    stock, fused = pair("llama")  # ZeRO-3 partitioning after install: that call runs the original
-    fused.lm_head.weight.ds_id = 0
+    import deepspeed  # noqa: F401  (imported, as it is wherever ZeRO-3 partitions parameters)
+
+    stock, fused = pair("llama")  # a head replaced after install, then partitioned by ZeRO-3: that call runs the
+    fused.lm_head = nn.Linear(32, VOCAB, bias=False)  # original (its weight is gathered for the head alone) and
+    fused.lm_head.weight.ds_id = 0  # registers the weight with the model, so the next call is fused
     ids, labels = batch()
     with caplog.at_level(logging.WARNING, logger="ds_loongforge"):
         out = fused(input_ids=ids, labels=labels)
-    assert out.logits is not None and "partitioned by ZeRO-3" in caplog.text
+    assert out.logits is not None and "was not registered with the model" in caplog.text
+    assert id(fused.lm_head.weight) in fused._external_params
+    assert fused(input_ids=ids, labels=labels).logits is None
+
+
+def test_zero3_gathers_the_head_weight_for_the_whole_forward():
+    """Installed on a model whose parameters are (or will be) partitioned by ZeRO-3, the LM head's weight is
+    registered as an external parameter of the model (DeepSpeed's API for a parameter used outside its module's
+    forward): ZeRO-3 then gathers it for the model's forward and backward, where the fused loss reads it after the
+    head's own forward. The trained runs: tests/integrations/test_config_only.py (zero_init)."""
+    import deepspeed  # noqa: F401  (imported, as it is wherever ZeRO-3 partitions parameters)
+
+    model = build("llama")
+    for p in model.parameters():
+        p.ds_id = 3  # what ZeRO-3 puts on partitioned parameters (a model built under zero.Init)
+    assert install_fused_loss(model) is None and uses_fused_loss(model)
+    assert list(model._external_params.values()) == [model.lm_head.weight]
+    assert [p for _, p in model.ds_external_parameters()] == [model.lm_head.weight]
+    assert install_fused_loss(model) is None and len(model._external_params) == 1  # idempotent
 
 
 def test_inject_installs_and_reports(caplog):
