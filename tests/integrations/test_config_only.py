@@ -496,22 +496,26 @@ for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in 
     ds_loongforge.inject(probe, config)
     partitioned = [n for n, p in probe.named_parameters() if hasattr(p, "ds_id") and p.data.numel() == 0]
     runs = {}
+    def gathered(engine):
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
     for zero_init in (False, True):
         engine, *_ = deepspeed.initialize(model=load(zero_init), config=config)
-        losses = []
+        initial, losses = gathered(engine), []
         for ids in batches:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-        runs[zero_init] = (losses, weights, sorted({type(m).__name__ for m in engine.module.modules()}))
-    (losses, weights, types), (zlosses, zweights, ztypes) = runs[False], runs[True]
+        runs[zero_init] = (losses, initial, gathered(engine), sorted({type(m).__name__ for m in engine.module.modules()}))
+    (losses, initial, weights, types), (zlosses, zinitial, zweights, ztypes) = runs[False], runs[True]
     out[f"{kind} {dtype}"] = {"partitioned_before": partitioned_before, "params": len(list(probe.parameters())),
                   "partitioned_after_inject": len(partitioned), "losses": losses, "zero_init_losses": zlosses,
                   "types": types, "zero_init_types": ztypes, "names_equal": sorted(weights) == sorted(zweights),
-                  "weights_differing": [n for n in weights if not torch.equal(weights[n], zweights.get(n))]}
+                  "initial_differing": [n for n in initial if not torch.equal(initial[n], zinitial.get(n))],
+                  "weights_differing": [n for n in weights if not torch.equal(weights[n], zweights.get(n))],
+                  "max_trained_difference": max(float((weights[n] - zweights[n]).abs().max()) for n in weights)}
 print("RESULT " + json.dumps(out))
 leave()
 """
@@ -524,8 +528,9 @@ leave()
 def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, accelerator, dtypes, ranks):
     """A model whose parameters ZeRO-3 partitioned as it was built (``deepspeed.zero.Init``) is injected one module
     at a time, gathered to build each replacement and its new Parameters partitioned right after, so it is never
-    whole on a rank; on 2 CPU ranks (and one GPU), a Mixtral and a dense Llama, fp32 and bf16, its 3 steps' losses and weights are those of the same checkpoint
-    loaded whole, bit for bit. Before, such a model was refused."""
+    whole on a rank. On 2 CPU ranks (and one GPU), a Mixtral and a dense Llama, fp32 and bf16: its weights after
+    deepspeed.initialize are those of the same checkpoint loaded whole, bit for bit, and so are its 3 steps' losses
+    and weights on the CPU (on the GPU within the dtype's tolerance). Before, such a model was refused."""
     config = {**DS_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 1.0}
     output = _run_script(tmp_path, AUTOLOAD + ZERO_INIT_SCRIPT, config, dtypes, ranks=ranks,
@@ -540,9 +545,14 @@ def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, accel
                        else ({"FusedRMSNorm", "FusedSwiGLUMLP"}, {"LlamaRMSNorm", "LlamaMLP"}))
         assert ours <= set(run["zero_init_types"]) and not stock & set(run["zero_init_types"]), (case, run)
         assert run["zero_init_types"] == run["types"] and "_DeferredLMHead" in run["types"], run  # the fused loss
-        assert run["names_equal"] and run["weights_differing"] == [], (case, run)
-        assert run["zero_init_losses"] == run["losses"], (case, run)
+        assert run["names_equal"] and run["initial_differing"] == [], (case, run)  # what inject built, exactly
         assert len(set(run["losses"])) == 3, run  # the steps trained
+        if accelerator == "cpu":
+            assert run["weights_differing"] == [] and run["zero_init_losses"] == run["losses"], (case, run)
+        else:  # cuBLAS may pick other kernels for other pointer alignments (views into ZeRO-3's partition buffers)
+            rtol = 1e-5 if case.endswith("fp32") else 1e-2
+            assert all(abs(a - b) <= rtol * abs(b) for a, b in zip(run["zero_init_losses"], run["losses"])), run
+            assert run["max_trained_difference"] <= 3 * 2 * 1e-2, run  # Adam moves any element <= ~lr a step
 
 
 # the HF Trainer under a ZeRO-3 config: TrainingArguments registers it, so from_pretrained builds the model under
