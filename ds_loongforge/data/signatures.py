@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ds_loongforge.integrations.zero3 import gathered, partitioned, whole_shape
+
 logger = logging.getLogger("ds_loongforge")
 
 SIGNATURE_KINDS = ("router", "router_topk", "probe", "forward")
@@ -146,7 +148,8 @@ def dataset_token_ids(dataset, column: str = "input_ids") -> TokenIds:
 
 def _is_router(module: nn.Module, hidden: int) -> bool:
     weight = getattr(module, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == hidden
+    shape = whole_shape(weight) if isinstance(weight, torch.Tensor) else None  # ZeRO-3: not its shard's
+    return (shape is not None and len(shape) == 2 and shape[1] == hidden
             and isinstance(getattr(module, "top_k", None), int) and getattr(module, "num_experts", None) is not None)
 
 
@@ -183,7 +186,7 @@ def _embedding_and_routers(model: nn.Module) -> tuple[nn.Module | None, list[nn.
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         return None, []
-    return embedding, [m for m in model.modules() if _is_router(m, embedding.weight.shape[1])]
+    return embedding, [m for m in model.modules() if _is_router(m, whole_shape(embedding.weight)[1])]
 
 
 def has_moe_router(model: nn.Module) -> bool:
@@ -193,19 +196,21 @@ def has_moe_router(model: nn.Module) -> bool:
 
 def routing_weights(model: nn.Module) -> RoutingWeights:
     """Snapshot the input embedding and the router of every MoE layer (ExpertMaskedMoE's ``gate``, or any
-    router module with a ``weight`` [E, H], ``top_k`` and ``num_experts``, like transformers' Mixtral)."""
+    router module with a ``weight`` [E, H], ``top_k`` and ``num_experts``, like transformers' Mixtral). Under
+    ZeRO-3 those weights are gathered for the copy: a collective, so every rank takes its snapshot at the same
+    point (the sampler does, at the same batch on each rank, in the thread that iterates it)."""
     embedding, routers = _embedding_and_routers(model)
     if embedding is None:
         raise ValueError(f"{type(model).__name__} has no input embedding (nn.Embedding); routing signatures "
                          "need one")
-    hidden = embedding.weight.shape[1]
+    hidden = whole_shape(embedding.weight)[1]
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router (a module with weight [E, {hidden}], top_k "
                          "and num_experts); routing signatures need an MoE model")
-    experts = {m.weight.shape[0] for m in routers}
+    experts = {whole_shape(m.weight)[0] for m in routers}
     if len(experts) != 1:
         raise ValueError(f"MoE layers with different expert counts {sorted(experts)} are not supported")
-    with torch.no_grad():
+    with torch.no_grad(), gathered([embedding.weight, *(m.weight for m in routers)]):
         return RoutingWeights(embedding.weight.detach().to("cpu", torch.float32, copy=True),
                               [m.weight.detach().to("cpu", torch.float32, copy=True) for m in routers],
                               int(routers[0].top_k))
@@ -286,7 +291,7 @@ def observed_routing(model: nn.Module, batches: Iterable[dict]) -> Iterator[tupl
     MoE layer as 1/k entries: (token_ids_T, targets_TS), recorded by forward hooks on the routers."""
     hidden = routing_weights(model).embedding_VH.shape[1]
     routers = [m for m in model.modules() if _is_router(m, hidden)]
-    num_experts = routers[0].weight.shape[0]
+    num_experts = whole_shape(routers[0].weight)[0]
     seen: list[list[torch.Tensor]] = [[] for _ in routers]
     hooks = [r.register_forward_hook(lambda mod, inp, out, i=i: seen[i].append(out[-1].detach().cpu()))
              for i, r in enumerate(routers)]
@@ -464,6 +469,10 @@ class RouterSignatures:
         self._worker: nn.Module | None = None  # the "forward" kind's private copy of the model
 
     def snapshot(self) -> RoutingWeights:
+        if self.kind == "forward" and partitioned(self.model.parameters()):
+            raise ValueError("expert-aware sampler: signature 'forward' runs a whole copy of the model, whose "
+                             "parameters ZeRO-3 partitions; under ZeRO-3 set loongforge.sampler.signature to "
+                             "'router' (the default) or 'probe'")
         weights = routing_weights(self.model)
         if self.kind == "forward":
             if self._worker is None:

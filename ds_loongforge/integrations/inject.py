@@ -45,7 +45,6 @@ preset covers, or that a preset cannot convert, are listed in the report with th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from collections import Counter
@@ -59,6 +58,7 @@ from torch import nn
 from ds_loongforge.config import LoongForgeConfig, apply_op_settings, parse_config
 from ds_loongforge.integrations.fused_loss import KIND_FUSED_LOSS, install_fused_loss, uses_fused_loss  # noqa: F401
 from ds_loongforge.integrations.residual import KIND_RESIDUAL, fuse_residual_adds, residual_problem
+from ds_loongforge.integrations.zero3 import gathered, partition_new
 from ds_loongforge.modules.moe import ExpertMaskedMoE, TopKRouter
 from ds_loongforge.modules.norm_mlp import (FusedRMSNorm, FusedSwiGLUMLP, gate_up_trainability_problem,
                                             is_peft_wrapper)
@@ -194,23 +194,23 @@ def _inject(model: nn.Module, config) -> InjectionReport:
         if not config.moe.expert_masked:
             report.not_replaced.append((path, f"{type(module).__name__}: moe.expert_masked is false"))
             continue
-        with _gathered(module):
+        with gathered(module.parameters()):  # ZeRO-3 (a model built under zero.Init): this block whole, read-only
             new, reason = _build_moe(module, preset, config, report, getattr(model, "config", None))
         if new is None:
             report.not_replaced.append((path, f"{type(module).__name__}: {reason}"))
             continue
         _swap(model, path, module, new)
-        _partition_like(module, new)
+        partition_new(module, new)  # ZeRO-3: the new experts and router partitioned before the next block
         families[preset.name] += 1
         kind = KIND_MOE_EP if config.moe.ep_size > 1 else KIND_MOE
         report.replaced[kind] = report.replaced.get(kind, 0) + 1
 
     def swap_in(ours_cls):
         def replace(path: str, module: nn.Module) -> bool:
-            with _gathered(module):
+            with gathered(module.parameters()):
                 fused = ours_cls.from_hf(module, impl=OP_IMPL, rounding=config.fused_kernels.rounding)
             _swap(model, path, module, fused.train(module.training))
-            _partition_like(module, fused)
+            partition_new(module, fused)
             return True
         return replace
 
@@ -405,36 +405,6 @@ def _as_config(config) -> LoongForgeConfig:
     if "loongforge" not in config and (set(config) & (fields - {"optimizer"}) or set(config) <= fields):
         return parse_config({"loongforge": config})
     return parse_config(config)  # a DeepSpeed config (without the block: disabled)
-
-
-def _zero3_params(module: nn.Module) -> list[nn.Parameter]:
-    """``module``'s parameters partitioned by ZeRO-3 (a model built under ``deepspeed.zero.Init``: each rank holds a
-    shard, ``param.data`` is empty and ``ds_shape`` the real shape)."""
-    return [p for p in module.parameters() if hasattr(p, "ds_id")]
-
-
-def _gathered(module: nn.Module):
-    """A context in which ``module``'s ZeRO-3 parameters hold their whole data on every rank (read-only: they are
-    partitioned again on exit, any change dropped), so that a replacement reads shapes and copies weights as from
-    an unpartitioned model; one module at a time, so a model too large for one device is never whole on one.
-    Every rank must enter it for the same modules in the same order (inject walks the same model on each)."""
-    params = _zero3_params(module)
-    if not params:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
-def _partition_like(old: nn.Module, new: nn.Module) -> None:
-    """Partition the Parameters a replacement of ZeRO-3-partitioned ``old`` created (gate_up_proj, stacked experts,
-    a router) as ``old``'s were: DeepSpeed's own conversion (the one ``deepspeed.initialize`` applies to a module's
-    unpartitioned parameters), here right away, so that at most one module's new weights are whole at a time. The
-    Parameters ``new`` took over from ``old`` stay as they are."""
-    like = _zero3_params(old)
-    fresh = [p for p in new.parameters() if not hasattr(p, "ds_id")]
-    if like and fresh:
-        like[0].convert_to_zero_parameters(param_list=fresh)
 
 
 def _snapshot(model: nn.Module) -> list[tuple[str, nn.Module]]:

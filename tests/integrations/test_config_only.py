@@ -76,7 +76,7 @@ import deepspeed
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 parser.add_argument("--local_rank", type=int, default=0)
 args = parser.parse_args()
-data = [{"input_ids": ids} for ids in torch.randint(0, 64, (16, 16))]
+data = [{"input_ids": ids} for ids in torch.randint(0, 64, (32, 16))]
 engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                     training_data=data)
 batch = next(iter(loader))
@@ -464,6 +464,7 @@ ZERO_INIT_SCRIPT = MODEL_SNIPPET + """
 import os
 import deepspeed
 import ds_loongforge
+from ds_loongforge.data import build_dataloader, routing_weights
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -479,6 +480,7 @@ if torch.distributed.get_rank() == 0:
 torch.distributed.barrier()
 torch.manual_seed(1)
 batches = torch.randint(0, 64, (3, 2, 16)).to(get_accelerator().current_device_name())
+data = [{"input_ids": ids} for ids in torch.randint(0, 64, (16, 16))]
 out = {}
 for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in sys.argv[2].split(",")):
     folder, cls = os.path.join(here, kind), {"mixtral": MixtralForCausalLM, "llama": LlamaForCausalLM}[kind]
@@ -501,8 +503,24 @@ for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in 
             return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
     for zero_init in (False, True):
-        engine, *_ = deepspeed.initialize(model=load(zero_init), config=config)
+        loaded = load(zero_init)
+        reference = None if zero_init or kind != "mixtral" else routing_weights(loaded)  # before ZeRO-3 partitions
+        engine, *_ = deepspeed.initialize(model=loaded, config=config)
         initial, losses = gathered(engine), []
+        if reference is not None:  # the sampler's snapshot of the partitioned model: gathered, the whole weights
+            snap, dt = routing_weights(engine.module), torch.bfloat16 if dtype == "bf16" else torch.float32
+            out[f"{kind} {dtype} snapshot"] = all(
+                torch.equal(a.to(dt).float(), b) for a, b in zip([reference.embedding_VH, *reference.routers_LEH],
+                                                                 [snap.embedding_VH, *snap.routers_LEH]))
+        if zero_init and kind == "mixtral":  # the expert-aware sampler on it, refreshing every 2 batches
+            sampler = {"expert_aware": True, "n_clusters": 2, "refresh_every": 2, "cache_dir": here + "/signatures"}
+            loader = build_dataloader(data, {"loongforge": {"enabled": True, "sampler": sampler}}, engine.module, 2)
+            out[f"{kind} {dtype} sampler batches"] = [sum(1 for _ in loader), len(loader)]  # one epoch
+            try:
+                build_dataloader(data, {"loongforge": {"enabled": True, "sampler": {**sampler, "signature": "forward"}}},
+                                 engine.module, 2)
+            except ValueError as e:
+                out[f"{kind} {dtype} forward kind"] = str(e)
         for ids in batches:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
@@ -537,7 +555,14 @@ def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, accel
                          env={"DS_ACCELERATOR": accelerator})
     assert "runs the original forward" not in output  # the fused loss ran in every call, its head weight gathered
     runs = _result(output)
-    assert sorted(runs) == ["llama bf16", "llama fp32", "mixtral bf16", "mixtral fp32"], sorted(runs)
+    dtype_list = dtypes.split(",")
+    for dtype in dtype_list:  # the expert-aware sampler reads the partitioned routers (gathered for its snapshot)
+        assert runs.pop(f"mixtral {dtype} snapshot") is True, dtype
+        seen, length = runs.pop(f"mixtral {dtype} sampler batches")
+        assert seen == length >= 3, (dtype, seen, length)  # past a refresh boundary (every 2 batches)
+        assert "signature 'forward' runs a whole copy" in runs.pop(f"mixtral {dtype} forward kind"), dtype
+    assert "refreshing signatures in the background" in output  # snapshots taken while iterating, too
+    assert sorted(runs) == sorted(f"{kind} {dtype}" for kind in ("llama", "mixtral") for dtype in dtype_list), runs
     for case, run in runs.items():
         assert run["partitioned_before"], (case, run)
         assert run["partitioned_after_inject"] == run["params"], (case, run)  # gate_up, experts, routers included

@@ -201,6 +201,24 @@ def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path, launcher
     assert math.isfinite(resumed["loss_history"][0][1])
 
 
+def test_deepspeed_launcher_two_cpu_processes_zero3(tmp_path, launcher):
+    """ZeRO-3 through the launcher: the expert-aware sampler's routing signatures read the partitioned embedding and
+    routers (gathered for the snapshot; before, an IndexError on their empty data), and the fused LM head's weight
+    is gathered for the whole forward (no call falls back to the logits)."""
+    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
+    config["zero_optimization"] = {"stage": 3}
+    config["loongforge"]["sampler"] = {"refresh_every": 2, "cache_dir": str(tmp_path / "signatures")}
+    (tmp_path / "zero3.json").write_text(json.dumps(config))
+    summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), *FAST,
+                        "--deepspeed_config", str(tmp_path / "zero3.json"), "--steps", "4", "--max-documents", "30",
+                        "--save-dir", str(tmp_path / "ckpt")])
+    _assert_finite(summary)
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 3, summary
+    assert "expert-aware sampler: step 2" in summary["_log"] and "ExpertMaskedMoE: 2 modules" in summary["_log"]
+    assert "fused linear cross-entropy: lm_head of" in summary["_log"]
+    assert "runs the original forward" not in summary["_log"]
+
+
 def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
     """Saved by 2 processes at ep_size 2, resumed by 4 at ep_size 4: DeepSpeed loads the module, and
     ds_loongforge.checkpoint rebuilds the optimizer state for the new partitions (tests/test_checkpoint.py checks
