@@ -129,6 +129,9 @@ def install_fused_loss(model: nn.Module) -> str | None:
     return None
 
 
+_REGISTERED_HEAD = "_loongforge_registered_head"  # id of the head weight _register_head_weight registered
+
+
 def _register_head_weight(model: nn.Module) -> bool:
     """Whether ZeRO-3 gathers ``lm_head.weight`` for ``model``'s whole forward and backward: the fused loss reads it
     in the model's forward, after the head's own forward (where ZeRO-3 would gather it for the head alone) has
@@ -138,13 +141,18 @@ def _register_head_weight(model: nn.Module) -> bool:
     that imported it): a model injected before that registers at its first call with a partitioned head weight
     (``_call_problem``), or at the next inject (deepspeed.initialize's)."""
     weight = model.lm_head.weight
-    if id(weight) in getattr(model, "_external_params", {}):
+    registered = getattr(model, "_external_params", {})
+    if id(weight) in registered:
         return True
     if "deepspeed" not in sys.modules:
         return False
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
+    stale = registered.get(model.__dict__.get(_REGISTERED_HEAD))  # a replaced head's: ZeRO-3 would keep gathering it
+    if stale is not None:
+        del registered[id(stale)]
     register_external_parameter(model, weight)
+    model.__dict__[_REGISTERED_HEAD] = id(weight)
     return True
 
 
