@@ -144,6 +144,10 @@ def inject(model: nn.Module, config: LoongForgeConfig | dict[str, Any] | None) -
     torch's random generators are left where they were: the replacements are built with random initial weights
     and then take the model's, and those draws must not shift a script's later ones (its data order, dropout)
     away from the stock run's.
+
+    A model built under ``deepspeed.zero.Init`` (ZeRO-3) is injected one module at a time: the module's shards are
+    gathered to build its replacement, whose new Parameters DeepSpeed then partitions. Gathering is a collective:
+    call inject on every rank (``deepspeed.initialize`` with the block does).
     """
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
