@@ -149,6 +149,7 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     import torch
 
     from ds_loongforge.config import apply_op_settings, throughput_timer_setting
+    from ds_loongforge.integrations.fused_loss import register_for_zero3
     from ds_loongforge.integrations.inject import inject, moe_blocks
     from ds_loongforge.optim import FusedAdamWClip, uses_fused_adamw_clip
     from ds_loongforge.optim import initialize as optim_initialize
@@ -173,6 +174,8 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
     inject(model, config)
     if stage == 3 and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
         _refuse_expert_parallelism_under_zero3(config)  # a model the script injected itself
+    if stage == 3:
+        register_for_zero3(model)  # the fused loss's head weight, gathered for the model's forward and backward
     remap = _parameter_remap(params_before, dict(model.named_parameters()))
     if call.get("model_parameters") is not None:
         call["model_parameters"] = _remap_model_parameters(call["model_parameters"], remap)

@@ -107,7 +107,8 @@ def install_fused_loss(model: nn.Module) -> str | None:
 
     Returns None when installed (or already installed), else the reason it was not (the model is unchanged)."""
     if uses_fused_loss(model):
-        _register_head_weight(model)
+        if hasattr(model.lm_head.weight, "ds_id"):
+            _register_head_weight(model)
         return None
     cls = type(model)
     name = cls.__name__
@@ -121,7 +122,8 @@ def install_fused_loss(model: nn.Module) -> str | None:
         return f"{name}: its forward adds router_aux_loss_coef * aux_loss but the model has no router_aux_loss_coef"
 
     model.lm_head.__class__ = _DeferredLMHead
-    _register_head_weight(model)
+    if hasattr(model.lm_head.weight, "ds_id"):  # built under zero.Init; else deepspeed.initialize's ZeRO-3 registers
+        _register_head_weight(model)
     previous = model.__dict__.get("forward")
     if previous is not None:
         setattr(model, _INNER, previous)
@@ -132,14 +134,22 @@ def install_fused_loss(model: nn.Module) -> str | None:
 _REGISTERED_HEAD = "_loongforge_registered_head"  # id of the head weight _register_head_weight registered
 
 
+def register_for_zero3(model: nn.Module) -> None:
+    """Before ZeRO-3 partitions ``model`` (``deepspeed.initialize`` at stage 3 with the block calls this): have it
+    gather the fused loss's head weight for the whole forward and backward. Only then, and for a model built under
+    zero.Init: the registration puts a bound method on the model that pickle cannot save."""
+    if uses_fused_loss(model):
+        _register_head_weight(model)
+
+
 def _register_head_weight(model: nn.Module) -> bool:
     """Whether ZeRO-3 gathers ``lm_head.weight`` for ``model``'s whole forward and backward: the fused loss reads it
     in the model's forward, after the head's own forward (where ZeRO-3 would gather it for the head alone) has
     returned. DeepSpeed's ``register_external_parameter`` is its API for a parameter used outside its module; the
     Parameter object is registered, so one registered before ZeRO-3 partitions it in place (deepspeed.initialize)
-    stays registered. Idempotent. Only once DeepSpeed is imported (inject inside deepspeed.initialize, or a script
-    that imported it): a model injected before that registers at its first call with a partitioned head weight
-    (``_call_problem``), or at the next inject (deepspeed.initialize's)."""
+    stays registered. Idempotent. Only once DeepSpeed is imported; a model whose head weight ZeRO-3 partitioned
+    unregistered (inject outside deepspeed.initialize, then ZeRO-3) registers at its first call
+    (``_call_problem``, which runs that call unfused)."""
     weight = model.lm_head.weight
     registered = getattr(model, "_external_params", {})
     if id(weight) in registered:

@@ -6,6 +6,7 @@ Trainer's call; and the models and calls it refuses, with the reason."""
 import copy
 import inspect
 import logging
+import pickle
 
 import pytest
 import torch
@@ -269,6 +270,14 @@ def test_zero3_gathers_the_head_weight_for_the_whole_forward():
     assert list(model._external_params.values()) == [model.lm_head.weight]
     assert [p for _, p in model.ds_external_parameters()] == [model.lm_head.weight]
     assert install_fused_loss(model) is None and len(model._external_params) == 1  # idempotent
+
+    # a whole model: registered only for ZeRO-3 (deepspeed.initialize at stage 3), since the registration's bound
+    # method on the model cannot be pickled
+    model = build("llama")
+    assert install_fused_loss(model) is None and not hasattr(model, "_external_params")
+    pickle.loads(pickle.dumps(model))
+    fused_loss.register_for_zero3(model)
+    assert list(model._external_params.values()) == [model.lm_head.weight]
 
 
 def test_inject_installs_and_reports(caplog):
