@@ -194,22 +194,28 @@ def has_moe_router(model: nn.Module) -> bool:
     return bool(_embedding_and_routers(model)[1])
 
 
+def _checked_embedding_and_routers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    """``_embedding_and_routers``, or an error naming what routing signatures need and the model lacks."""
+    embedding, routers = _embedding_and_routers(model)
+    if embedding is None:
+        raise ValueError(f"{type(model).__name__} has no input embedding (nn.Embedding); routing signatures "
+                         "need one")
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no MoE router (a module with weight "
+                         f"[E, {whole_shape(embedding.weight)[1]}], top_k and num_experts); routing signatures "
+                         "need an MoE model")
+    experts = {whole_shape(m.weight)[0] for m in routers}
+    if len(experts) != 1:
+        raise ValueError(f"MoE layers with different expert counts {sorted(experts)} are not supported")
+    return embedding, routers
+
+
 def routing_weights(model: nn.Module) -> RoutingWeights:
     """Snapshot the input embedding and the router of every MoE layer (ExpertMaskedMoE's ``gate``, or any
     router module with a ``weight`` [E, H], ``top_k`` and ``num_experts``, like transformers' Mixtral). Under
     ZeRO-3 those weights are gathered for the copy: a collective, so every rank takes its snapshot at the same
     point (the sampler does, at the same batch on each rank, in the thread that iterates it)."""
-    embedding, routers = _embedding_and_routers(model)
-    if embedding is None:
-        raise ValueError(f"{type(model).__name__} has no input embedding (nn.Embedding); routing signatures "
-                         "need one")
-    hidden = whole_shape(embedding.weight)[1]
-    if not routers:
-        raise ValueError(f"{type(model).__name__} has no MoE router (a module with weight [E, {hidden}], top_k "
-                         "and num_experts); routing signatures need an MoE model")
-    experts = {whole_shape(m.weight)[0] for m in routers}
-    if len(experts) != 1:
-        raise ValueError(f"MoE layers with different expert counts {sorted(experts)} are not supported")
+    embedding, routers = _checked_embedding_and_routers(model)
     with torch.no_grad(), gathered([embedding.weight, *(m.weight for m in routers)]):
         return RoutingWeights(embedding.weight.detach().to("cpu", torch.float32, copy=True),
                               [m.weight.detach().to("cpu", torch.float32, copy=True) for m in routers],
@@ -289,8 +295,7 @@ def observed_routing(model: nn.Module, batches: Iterable[dict]) -> Iterator[tupl
     """Run ``model(input_ids=..., attention_mask=...)`` (no grad, eval mode) on each of ``batches`` (collator
     outputs) and yield, per batch, its real tokens (mask != 0, row-major) and their top-k experts in every
     MoE layer as 1/k entries: (token_ids_T, targets_TS), recorded by forward hooks on the routers."""
-    hidden = routing_weights(model).embedding_VH.shape[1]
-    routers = [m for m in model.modules() if _is_router(m, hidden)]
+    _, routers = _checked_embedding_and_routers(model)  # not routing_weights: no copy (nor ZeRO-3 gather) of weights
     num_experts = whole_shape(routers[0].weight)[0]
     seen: list[list[torch.Tensor]] = [[] for _ in routers]
     hooks = [r.register_forward_hook(lambda mod, inp, out, i=i: seen[i].append(out[-1].detach().cpu()))

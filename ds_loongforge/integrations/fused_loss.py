@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import sys
 import textwrap
 import types
 
@@ -106,28 +105,26 @@ def install_fused_loss(model: nn.Module) -> str | None:
     """Route the training loss of a transformers causal LM through ``linear_cross_entropy``.
 
     Returns None when installed (or already installed), else the reason it was not (the model is unchanged)."""
-    if uses_fused_loss(model):
-        if hasattr(model.lm_head.weight, "ds_id"):
-            _register_head_weight(model)
-        return None
-    cls = type(model)
-    name = cls.__name__
-    problem = _model_problem(model)
-    if problem:
-        return f"{name}: {problem}"
-    spec = _forward_spec(cls)
-    if isinstance(spec, str):
-        return f"{name}: {spec}"
-    if spec.adds_aux and not isinstance(getattr(model, "router_aux_loss_coef", None), (int, float)):
-        return f"{name}: its forward adds router_aux_loss_coef * aux_loss but the model has no router_aux_loss_coef"
+    if not uses_fused_loss(model):
+        cls = type(model)
+        name = cls.__name__
+        problem = _model_problem(model)
+        if problem:
+            return f"{name}: {problem}"
+        spec = _forward_spec(cls)
+        if isinstance(spec, str):
+            return f"{name}: {spec}"
+        if spec.adds_aux and not isinstance(getattr(model, "router_aux_loss_coef", None), (int, float)):
+            return (f"{name}: its forward adds router_aux_loss_coef * aux_loss but the model has no "
+                    "router_aux_loss_coef")
 
-    model.lm_head.__class__ = _DeferredLMHead
+        model.lm_head.__class__ = _DeferredLMHead
+        previous = model.__dict__.get("forward")
+        if previous is not None:
+            setattr(model, _INNER, previous)
+        model.forward = types.MethodType(_make_forward(cls, spec), model)
     if hasattr(model.lm_head.weight, "ds_id"):  # built under zero.Init; else deepspeed.initialize's ZeRO-3 registers
         _register_head_weight(model)
-    previous = model.__dict__.get("forward")
-    if previous is not None:
-        setattr(model, _INNER, previous)
-    model.forward = types.MethodType(_make_forward(cls, spec), model)
     return None
 
 
@@ -142,28 +139,28 @@ def register_for_zero3(model: nn.Module) -> None:
         _register_head_weight(model)
 
 
-def _register_head_weight(model: nn.Module) -> bool:
-    """Whether ZeRO-3 gathers ``lm_head.weight`` for ``model``'s whole forward and backward: the fused loss reads it
+def _head_registered(model: nn.Module) -> bool:
+    return id(model.lm_head.weight) in getattr(model, "_external_params", {})
+
+
+def _register_head_weight(model: nn.Module) -> None:
+    """Have ZeRO-3 gather ``lm_head.weight`` for ``model``'s whole forward and backward: the fused loss reads it
     in the model's forward, after the head's own forward (where ZeRO-3 would gather it for the head alone) has
     returned. DeepSpeed's ``register_external_parameter`` is its API for a parameter used outside its module; the
     Parameter object is registered, so one registered before ZeRO-3 partitions it in place (deepspeed.initialize)
-    stays registered. Idempotent. Only once DeepSpeed is imported; a model whose head weight ZeRO-3 partitioned
-    unregistered (inject outside deepspeed.initialize, then ZeRO-3) registers at its first call
-    (``_call_problem``, which runs that call unfused)."""
-    weight = model.lm_head.weight
-    registered = getattr(model, "_external_params", {})
-    if id(weight) in registered:
-        return True
-    if "deepspeed" not in sys.modules:
-        return False
+    stays registered. Idempotent. Called only where ZeRO-3 runs, so DeepSpeed is imported; a model whose head
+    weight ZeRO-3 partitioned unregistered (inject outside deepspeed.initialize, then ZeRO-3) registers at its
+    first call (``_call_problem``, which runs that call unfused)."""
+    if _head_registered(model):
+        return
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
+    registered = getattr(model, "_external_params", {})
     stale = registered.get(model.__dict__.get(_REGISTERED_HEAD))  # a replaced head's: ZeRO-3 would keep gathering it
     if stale is not None:
         del registered[id(stale)]
-    register_external_parameter(model, weight)
-    model.__dict__[_REGISTERED_HEAD] = id(weight)
-    return True
+    register_external_parameter(model, model.lm_head.weight)
+    model.__dict__[_REGISTERED_HEAD] = id(model.lm_head.weight)
 
 
 def _model_problem(model: nn.Module) -> str | None:
@@ -366,7 +363,7 @@ def _call_problem(model: nn.Module, kwargs: dict) -> str | None:
         head.__class__ = _DeferredLMHead
     elif not isinstance(head, _DeferredLMHead):
         return f"lm_head is now {type(head).__name__}"
-    if hasattr(head.weight, "ds_id") and id(head.weight) not in getattr(model, "_external_params", {}):
+    if hasattr(head.weight, "ds_id") and not _head_registered(model):
         # a head replaced since install (resize_token_embeddings): its weight was gathered for the head's forward
         # alone; registered from the next call on
         _register_head_weight(model)
