@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe; LF_LEVERS: diagnose_levers's --levers); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_overlap, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_overlap, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, train_zero3, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
 # "tests" step (default: all of tests/).
@@ -165,6 +165,24 @@ if has bench_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
   eval "step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}"
   kill $smi 2>/dev/null
 done; fi
+# ZeRO-3 on one GPU: the zero.Init and fused-loss GPU tests, then train.py at stage 3 (1gpu_zero2_bf16.json with
+# stage 3 and DeepSpeed's torch AdamW, since FusedAdamWClip runs under ZeRO 0-2), LoongForge then stock
+if has train_zero3; then
+  step tests_zero3 python3 -m pytest tests/integrations -q -m "gpu or cuda_build" -k "zero or fused_loss" -p no:cacheprovider
+  python3 - "$RES/zero3_bf16.json" <<'PY'
+import json, sys
+cfg = json.load(open("ds_configs/1gpu_zero2_bf16.json"))
+cfg["zero_optimization"] = {"stage": 3}
+cfg["optimizer"]["params"]["torch_adam"] = True
+cfg["loongforge"]["optimizer"] = {"fused_adamw_clip": False}
+json.dump(cfg, open(sys.argv[1], "w"), indent=1)
+PY
+  for v in use-loongforge no-loongforge; do
+    step train_zero3_$v python3 launch/train.py --deepspeed_config "$RES/zero3_bf16.json" --model mixtral \
+      --seq-len 2048 --steps ${LF_ZERO3_STEPS:-30} --data random --timing events --log-every 10 --eval-every 0 \
+      --no-progress --$v ${LF_ZERO3_ARGS:-}
+  done
+fi
 # the host's Python in the LoongForge e2e step, sampled by py-spy (carried wheel) without torch's profiler: which
 # frames the main thread and autograd's device thread spend the step in (raw collapsed stacks, --threads --idle)
 if has pyspy_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
