@@ -46,6 +46,11 @@ flops`` x world size); model FLOPs per token = 6 x active parameters per token (
 parameters counted k/E) + 12 x layers x hidden x seq-len for attention scores (causal masking not discounted); None
 on CPU.
 
+ZeRO-3: with ``"zero_optimization": {"stage": 3}`` the model is built under ``deepspeed.zero.Init`` (transformers'
+``from_config`` / ``from_pretrained`` under an ``HfDeepSpeedConfig``, as the HF Trainer does), so each rank holds
+only its shards from the start and LoongForge's injection replaces modules one gathered module at a time;
+``--no-zero-init`` builds the whole model on every rank instead and lets ``deepspeed.initialize`` partition it.
+
 Checkpoints: ``--save-dir D --save-every N`` writes DeepSpeed checkpoints (tag ``step<N>``, plus one at the
 end) and the model's config.json beside them; ``--resume`` continues from D's latest tag: weights, optimizer, step
 counter and sampler position. ``loongforge_export D OUT`` writes the trained model (fp32 masters, transformers'
@@ -115,6 +120,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--use-loongforge", dest="loongforge", action="store_true", default=None)
     group.add_argument("--no-loongforge", dest="loongforge", action="store_false")
+    zero_init = p.add_mutually_exclusive_group()
+    zero_init.add_argument("--zero-init", dest="zero_init", action="store_true", default=None,
+                           help="build the model partitioned, under deepspeed.zero.Init: no rank ever holds all of "
+                           "its weights (the default when the config's zero_optimization.stage is 3, as in the HF "
+                           "Trainer; ZeRO-3 only)")
+    zero_init.add_argument("--no-zero-init", dest="zero_init", action="store_false",
+                           help="at ZeRO stage 3, build the whole model on every rank and let deepspeed.initialize "
+                           "partition it (each rank then needs the whole model's memory once)")
     p.add_argument("--no-expert-aware-sampler", dest="expert_aware_sampler", action="store_false",
                    help="keep the stock data order (DistributedSampler) even when the config's "
                    "loongforge.sampler.expert_aware is on: compares LoongForge's numerics with stock on the same batches")
@@ -282,18 +295,21 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> tuple[float, float]
     config = model.config
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
+    from ds_loongforge.integrations.zero3 import whole_shape
+
     embedding = model.get_input_embeddings().weight
     active = 0.0
     for name, param in model.named_parameters():
         if param is embedding:
             continue
+        numel = whole_shape(param).numel()  # a ZeRO-3 shard's numel is its own, not the parameter's
         if ".experts." in name:
             if not experts or not top_k:
                 raise ValueError(f"parameter {name} looks like an expert's but the model config gives "
                                  f"num_local_experts={experts}, num_experts_per_tok={top_k}")
-            active += param.numel() * top_k / experts
+            active += numel * top_k / experts
         else:
-            active += param.numel()
+            active += numel
     attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
     return 6 * active + attention, active
 
@@ -589,6 +605,13 @@ def main(argv=None) -> dict:
     from deepspeed.accelerator import get_accelerator
 
     ds_config, use_lf = load_ds_config(args.deepspeed_config, args.loongforge, autoep=args.autoep)
+    from ds_loongforge.optim.ds_integration import zero_section
+
+    stage = zero_section(ds_config).get("stage", 0)
+    if args.zero_init and stage != 3:  # before any process group or model is made
+        raise ValueError(f"--zero-init builds the model partitioned for ZeRO stage 3; {args.deepspeed_config} has "
+                         f'"zero_optimization": {{"stage": {stage}}}. Drop --zero-init or set the stage to 3')
+    zero_init = stage == 3 if args.zero_init is None else args.zero_init
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
@@ -605,12 +628,25 @@ def main(argv=None) -> dict:
     from ds_loongforge.config import parse_config
     from ds_loongforge.integrations.fused_loss import uses_fused_loss
 
+    from ds_loongforge.integrations.zero3 import whole_shape
+
     block = parse_config(ds_config)
     variant = variant_name(ds_config, use_lf)
     tokenizer = _corpus.build_tokenizer(args.tokenizer)
+    hf_ds_config = None
+    if zero_init:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # what the HF Trainer does at ZeRO-3: transformers' from_config / from_pretrained then build the model
+        # under deepspeed.zero.Init (and load weights into its shards). transformers holds this object only by a
+        # weak reference, so it is kept alive for the run
+        hf_ds_config = HfDeepSpeedConfig(ds_config)
     torch.manual_seed(args.seed)
     model = build_model(args.model, tokenizer.vocab_size, args.seq_len)
-    model_vocab = model.get_input_embeddings().weight.shape[0]
+    if zero_init:
+        logger.info("model: built partitioned under deepspeed.zero.Init (ZeRO stage 3; --no-zero-init builds it "
+                    "whole on every rank)")
+    model_vocab = whole_shape(model.get_input_embeddings().weight)[0]
     flops_per_token, active_params = model_flops_per_token(model, args.seq_len)
     experts_impl = getattr(model.config, "_experts_implementation", None)
 
@@ -638,7 +674,7 @@ def main(argv=None) -> dict:
         inject(model, ds_config)  # logs one line per replaced kind and what was not replaced
     layers = moe_layers(model)
     fused_loss = use_lf and uses_fused_loss(model)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(whole_shape(p).numel() for p in model.parameters())
     logger.info("model: %s (%s), %.2fM parameters (%.2fM active per token, %.3g training FLOPs per token), "
                 "variant %s", args.model, type(model).__name__, num_params / 1e6, active_params / 1e6,
                 flops_per_token, variant)
@@ -873,7 +909,8 @@ def main(argv=None) -> dict:
         "loongforge": use_lf, "expert_aware_sampler": expert_aware, "expert_masked_layers": len(layers),
         "fused_loss": fused_loss,
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
-        "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.basic_optimizer).__name__,
+        "zero_stage": engine.zero_optimization_stage(), "zero_init": hf_ds_config is not None,
+        "optimizer": type(engine.basic_optimizer).__name__,
         "routing": routing_summary(layers), "profile": profile,
         "variant": variant, "data": args.data, "dataset": args.dataset, "device": device.type, "experts_implementation": experts_impl,
         "vocab_size": model_vocab, "active_params_per_token": active_params, "model_flops_per_token": flops_per_token,

@@ -202,21 +202,36 @@ def test_deepspeed_launcher_two_cpu_processes_expert_parallel(tmp_path, launcher
 
 
 def test_deepspeed_launcher_two_cpu_processes_zero3(tmp_path, launcher):
-    """ZeRO-3 through the launcher: the expert-aware sampler's routing signatures read the partitioned embedding and
-    routers (gathered for the snapshot; before, an IndexError on their empty data), and the fused LM head's weight
-    is gathered for the whole forward (no call falls back to the logits)."""
+    """ZeRO-3 through the launcher: the model is built partitioned under deepspeed.zero.Init (its weights loaded from
+    a model folder into the shards), the expert-aware sampler's routing signatures read the partitioned embedding
+    and routers (gathered for the snapshot; before, an IndexError on their empty data), and the fused LM head's
+    weight is gathered for the whole forward (no call falls back to the logits). From the same weights, the model
+    built whole (--no-zero-init, partitioned by deepspeed.initialize) trains to the same losses bit for bit."""
     config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
     config["zero_optimization"] = {"stage": 3}
     config["loongforge"]["sampler"] = {"refresh_every": 2, "cache_dir": str(tmp_path / "signatures")}
     (tmp_path / "zero3.json").write_text(json.dumps(config))
-    summary = _summary([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), *FAST,
-                        "--deepspeed_config", str(tmp_path / "zero3.json"), "--steps", "4", "--max-documents", "30",
-                        "--save-dir", str(tmp_path / "ckpt")])
+    torch.manual_seed(0)
+    train.build_model("tiny", _corpus.build_tokenizer(None).vocab_size, 64).save_pretrained(tmp_path / "tiny")
+
+    def run(*extra: str) -> dict:
+        return _summary([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), *FAST,
+                         "--deepspeed_config", str(tmp_path / "zero3.json"), "--model", str(tmp_path / "tiny"),
+                         "--steps", "4", "--max-documents", "30", *extra])
+
+    summary = run("--save-dir", str(tmp_path / "ckpt"))
     _assert_finite(summary)
-    assert summary["world_size"] == 2 and summary["zero_stage"] == 3, summary
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["zero_init"], summary
+    assert "built partitioned under deepspeed.zero.Init" in summary["_log"]
     assert "expert-aware sampler: step 2" in summary["_log"] and "ExpertMaskedMoE: 2 modules" in summary["_log"]
     assert "fused linear cross-entropy: lm_head of" in summary["_log"]
     assert "runs the original forward" not in summary["_log"]
+    # the parameter count is the whole model's, not a shard's (the FLOPs per token likewise)
+    whole = run("--no-zero-init")
+    assert not whole["zero_init"] and "built partitioned" not in whole["_log"]
+    assert summary["params"] == whole["params"] > 0
+    assert summary["model_flops_per_token"] == whole["model_flops_per_token"] > 0
+    assert summary["loss_history"] == whole["loss_history"] and summary["eval_loss"] == whole["eval_loss"]
 
 
 def test_resume_at_another_world_size_and_ep_size(tmp_path, launcher):
@@ -435,6 +450,14 @@ def test_env_opt_out_runs_the_stock_variant(tmp_path, monkeypatch, caplog, flag)
     assert enabled is False and ds_config["loongforge"]["enabled"] is False
     assert ds_config["optimizer"]["type"] == "AdamW" and train.variant_name(ds_config, enabled) != "loongforge"
     assert "LOONGFORGE_DISABLE=1: LoongForge is off for this run" in caplog.text
+
+
+def test_zero_init_outside_zero3_is_an_error(monkeypatch):
+    for key, value in (("RANK", "0"), ("DS_ACCELERATOR", "cpu")):  # main() sets these when they are unset
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r'--zero-init builds the model partitioned for ZeRO stage 3; '
+                       r'ds_configs/cpu.json has "zero_optimization": \{"stage": 0\}'):
+        train.main(["--deepspeed_config", "ds_configs/cpu.json", "--zero-init"])
 
 
 def test_bad_config_block_names_the_key(tmp_path):
