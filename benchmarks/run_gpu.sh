@@ -97,7 +97,7 @@ fi
 has verify && python3 -m ds_loongforge.report --verify 2>&1 | tee "$OUT/verify.log" | tail -25
 # the tests' and bench_moe's logs come back as files of their own, so they run marked, not as a step
 run_tests() {
-  python3 -m pytest ${LF_TESTS:-tests} -q -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+  python3 -m pytest ${LF_TESTS:-tests} -q -rs -m "gpu or cuda_build" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
   return "${PIPESTATUS[0]}"
 }
 has tests && marked tests run_tests
