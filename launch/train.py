@@ -292,11 +292,11 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> tuple[float, float]
     (input embedding excluded: a lookup, no matmul; parameters under ``.experts.`` counted k/E) + 12 x layers x
     hidden x seq_len for the attention score and value matmuls (fwd + bwd, causal mask not discounted).
     Computed before any module replacement, so every variant is charged the same FLOPs."""
+    from ds_loongforge.integrations.zero3 import whole_shape
+
     config = model.config
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
-    from ds_loongforge.integrations.zero3 import whole_shape
-
     embedding = model.get_input_embeddings().weight
     active = 0.0
     for name, param in model.named_parameters():
@@ -627,7 +627,6 @@ def main(argv=None) -> dict:
     from ds_loongforge import profiler
     from ds_loongforge.config import parse_config
     from ds_loongforge.integrations.fused_loss import uses_fused_loss
-
     from ds_loongforge.integrations.zero3 import whole_shape
 
     block = parse_config(ds_config)
