@@ -8,7 +8,8 @@ flash backward accumulates dQ with atomics, and it runs for bf16 only); torch's 
 (CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts). If "whole vs whole" already differs, the difference is
 run-to-run nondeterminism of the GPU path, not zero.Init.
 
-    python -m benchmarks.diagnose_zero_init_bits --out diagnose_zero_init_bits.json   (one GPU; MASTER_ADDR etc. set)
+    python -m benchmarks.diagnose_zero_init_bits --out diagnose_zero_init_bits.json   (one GPU, or the CPU with DS_ACCELERATOR=cpu;
+    MASTER_ADDR etc. set)
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def main() -> None:
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                      num_experts_per_tok=2, max_position_embeddings=64)).save_pretrained(here)
     torch.manual_seed(1)
-    batches = torch.randint(0, 64, (3, 2, 16)).cuda()
+    from deepspeed.accelerator import get_accelerator
+
+    batches = torch.randint(0, 64, (3, 2, 16)).to(get_accelerator().current_device_name())
 
     def train(dtype: str, zero_init: bool) -> tuple[list[float], dict]:
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
@@ -73,7 +76,7 @@ def main() -> None:
         "flash_off": lambda: torch.backends.cuda.enable_flash_sdp(False),
         "deterministic": lambda: torch.use_deterministic_algorithms(True),
     }
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for name, apply in settings.items():
         apply()
         for dtype in ("bf16", "fp32"):
