@@ -607,7 +607,7 @@ def main(argv=None) -> dict:
     ds_config, use_lf = load_ds_config(args.deepspeed_config, args.loongforge, autoep=args.autoep)
     from ds_loongforge.optim.ds_integration import zero_section
 
-    stage = zero_section(ds_config).get("stage", 0)
+    stage = int(zero_section(ds_config).get("stage", 0))  # as deepspeed_hook reads it ("3" is stage 3 too)
     if args.zero_init and stage != 3:  # before any process group or model is made
         raise ValueError(f"--zero-init builds the model partitioned for ZeRO stage 3; {args.deepspeed_config} has "
                          f'"zero_optimization": {{"stage": {stage}}}. Drop --zero-init or set the stage to 3')
@@ -632,14 +632,13 @@ def main(argv=None) -> dict:
     block = parse_config(ds_config)
     variant = variant_name(ds_config, use_lf)
     tokenizer = _corpus.build_tokenizer(args.tokenizer)
-    hf_ds_config = None
     if zero_init:
         from transformers.integrations import HfDeepSpeedConfig
 
         # what the HF Trainer does at ZeRO-3: transformers' from_config / from_pretrained then build the model
         # under deepspeed.zero.Init (and load weights into its shards). transformers holds this object only by a
-        # weak reference, so it is kept alive for the run
-        hf_ds_config = HfDeepSpeedConfig(ds_config)
+        # weak reference, so this local keeps it alive for the run
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
     torch.manual_seed(args.seed)
     model = build_model(args.model, tokenizer.vocab_size, args.seq_len)
     if zero_init:
@@ -908,7 +907,7 @@ def main(argv=None) -> dict:
         "loongforge": use_lf, "expert_aware_sampler": expert_aware, "expert_masked_layers": len(layers),
         "fused_loss": fused_loss,
         "world_size": world, "micro_batch": micro_batch, "seq_len": args.seq_len, "bf16": bf16,
-        "zero_stage": engine.zero_optimization_stage(), "zero_init": hf_ds_config is not None,
+        "zero_stage": engine.zero_optimization_stage(), "zero_init": zero_init,
         "optimizer": type(engine.basic_optimizer).__name__,
         "routing": routing_summary(layers), "profile": profile,
         "variant": variant, "data": args.data, "dataset": args.dataset, "device": device.type, "experts_implementation": experts_impl,
