@@ -6,7 +6,7 @@
 #   device: LF_COMMIT=<sha> bash benchmarks/run_gpu.sh        (carry: [".whl"]; LF_BENCH=0 skips the benchmarks)
 #
 # LF_STEPS picks steps (default: build verify tests bench_ops bench_moe; LF_LEVERS: diagnose_levers's --levers); the others: build_ops (all ops through
-# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_overlap, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, train_zero3, pyspy_e2e (needs a py-spy wheel). Steps that write several files
+# build_ops, untimed), bench_qkv, diagnose_grouped_gemm, bench_optimizer, bench_sampler, diagnose_moe, diagnose_levers, diagnose_residual, diagnose_dispatch, diagnose_adamw, diagnose_overlap, diagnose_cross_entropy, diagnose_routing, ab_rmsnorm, ncu_kernels, bench_e2e, train_zero3, diagnose_zero_init_bits, pyspy_e2e (needs a py-spy wheel). Steps that write several files
 # put them under /tmp/lf_res, which is tarred into $OUT/results.tar after each step (the device returns at most
 # 8 files); LF_STEP_TIMEOUT bounds each of those steps (seconds, default 480). LF_TESTS: the pytest paths of the
 # "tests" step (default: all of tests/).
@@ -183,6 +183,9 @@ PY
       --no-progress --$v ${LF_ZERO3_ARGS:-}
   done
 fi
+# why bf16 trained bits differ between a zero.Init load and a whole load on the GPU: whole twice, zero.Init twice, per setting
+has diagnose_zero_init_bits && step diagnose_zero_init_bits python3 -m benchmarks.diagnose_zero_init_bits \
+  --out $RES/diagnose_zero_init_bits.json
 # the host's Python in the LoongForge e2e step, sampled by py-spy (carried wheel) without torch's profiler: which
 # frames the main thread and autograd's device thread spend the step in (raw collapsed stacks, --threads --idle)
 if has pyspy_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
