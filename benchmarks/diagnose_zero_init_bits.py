@@ -54,22 +54,52 @@ def main() -> None:
         model = MixtralForCausalLM.from_pretrained(here)
         del hf_config
         engine, *_ = ds_loongforge.initialize(model=model, config=config)  # the config-only path's call
+        # what the first step starts from: every parameter (gathered) and buffer, with its dtype
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            start = {f"param {n}": (str(p.dtype), p.detach().float().cpu().clone())
+                     for n, p in engine.module.named_parameters()}
+        start.update({f"buffer {n}": (str(b.dtype), b.detach().float().cpu().clone())
+                      for n, b in engine.module.named_buffers()})
+        # every module's first tensor output in the first forward, in call order
+        outputs, hooks = [], []
+        for n, m in engine.module.named_modules():
+            def hook(mod, inp, out, n=n):
+                t = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+                if torch.is_tensor(t):
+                    outputs.append((n or "<model>", str(t.dtype), t.detach().float().cpu().clone()))
+            hooks.append(m.register_forward_hook(hook))
         losses = []
         for ids in batches:
             loss = engine(input_ids=ids, labels=ids).loss
+            for h in hooks:
+                h.remove()
+            hooks = []
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-        return losses, weights
+        return losses, weights, start, outputs
 
     def compare(a, b) -> dict:
-        (la, wa), (lb, wb) = a, b
+        (la, wa, sa, oa), (lb, wb, sb, ob) = a, b
         differing = [n for n in wa if not torch.equal(wa[n], wb[n])]
+        # the start state: entries only one side has, dtypes that differ, values that differ
+        start = {"only_one_side": sorted(set(sa) ^ set(sb)),
+                 "dtype_differs": {n: [sa[n][0], sb[n][0]] for n in sa if n in sb and sa[n][0] != sb[n][0]},
+                 "value_differs": {n: float((sa[n][1] - sb[n][1]).abs().max()) for n in sa
+                                   if n in sb and (sa[n][1].shape != sb[n][1].shape or not torch.equal(sa[n][1], sb[n][1]))}}
+        # the first module (in call order) whose output differs, and the dtypes of both sides there
+        first = None
+        for (na, da, ta), (nb, db, tb) in zip(oa, ob):
+            if na != nb or ta.shape != tb.shape or not torch.equal(ta, tb):
+                first = {"module": [na, nb], "dtype": [da, db], "max_difference":
+                         float((ta - tb).abs().max()) if ta.shape == tb.shape else f"shapes {list(ta.shape)} {list(tb.shape)}"}
+                break
         return {"losses_equal": la == lb, "first_loss_equal": la[0] == lb[0], "losses": [la, lb],
                 "weights_differing": len(differing), "of": len(wa),
-                "max_difference": max(float((wa[n] - wb[n]).abs().max()) for n in wa)}
+                "max_difference": max(float((wa[n] - wb[n]).abs().max()) for n in wa),
+                "start_state": start, "modules_called": [len(oa), len(ob)], "first_output_differing": first}
 
     settings = {
         "as_tested": lambda: None,
