@@ -165,16 +165,16 @@ if has bench_e2e; then for shape in ${LF_E2E_SHAPES:-mixtral}; do
   eval "step bench_e2e_$shape python3 launch/bench_e2e.py --shape $shape --out $RES --log-dir $RES/logs_$shape ${LF_E2E_ARGS:-}"
   kill $smi 2>/dev/null
 done; fi
-# ZeRO-3 on one GPU: the zero.Init and fused-loss GPU tests, then train.py at stage 3 (1gpu_zero2_bf16.json with
-# stage 3 and DeepSpeed's torch AdamW, since FusedAdamWClip runs under ZeRO 0-2), LoongForge then stock
+# ZeRO-3 on one GPU: the zero.Init, fused-loss and optimizer GPU tests, then train.py at stage 3 (1gpu_zero2_bf16.json
+# with stage 3: FusedAdamWClip for LoongForge, DeepSpeed's torch AdamW for stock), LoongForge then stock
 if has train_zero3; then
-  step tests_zero3 python3 -m pytest tests/integrations -q -m "gpu or cuda_build" -k "zero or fused_loss" -p no:cacheprovider
+  step tests_zero3 python3 -m pytest tests/integrations tests/optim/test_fused_adamw_clip_deepspeed_gpu.py -q -rs \
+    -m "gpu or cuda_build" -k "zero or fused_loss or loss_scale" -p no:cacheprovider
   python3 - "$RES/zero3_bf16.json" <<'PY'
 import json, sys
 cfg = json.load(open("ds_configs/1gpu_zero2_bf16.json"))
 cfg["zero_optimization"] = {"stage": 3}
-cfg["optimizer"]["params"]["torch_adam"] = True
-cfg["loongforge"]["optimizer"] = {"fused_adamw_clip": False}
+cfg["optimizer"]["params"]["torch_adam"] = True  # stock's optimizer (no FusedAdam JIT build); FusedAdamWClip ignores it
 json.dump(cfg, open(sys.argv[1], "w"), indent=1)
 PY
   for v in use-loongforge no-loongforge; do

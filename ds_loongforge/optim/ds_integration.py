@@ -42,7 +42,18 @@ A client optimizer passed with such a config (the HF Trainer builds its AdamW wh
 scheduler built on it carry over; one FusedAdamWClip cannot stand in for (not AdamW, AMSGrad, state already
 held) is an error.
 
-Not covered (raise at initialize): ZeRO-3, CPU offload, tensor/pipeline parallelism (mpu).
+ZeRO-3 (``stage3.py``): the ZeRO optimizer's ``step`` is replaced by :func:`_fused_zero3_step`. Its gradient
+partitions (per-parameter views into one flat buffer, ``averaged_gradients``) are read in place, one
+FusedAdamWClip step runs over every sub-group (``sub_group_size`` splits a param group into several; each has its
+own fp32 partition and moments, with its group's hyper-parameters), and the kernel writes the fp32 partition
+and the bf16/fp16 one the model's partitioned parameters view. DeepSpeed would copy each sub-group's gradients
+into an fp32 flat first, compute the norm with its own pass and an all-reduce per group, read the fp16 overflow
+flag on the host, scale the gradients, step, and copy the fp32 partition back. Partitions of one rank are
+disjoint from every other rank's over the data-parallel group, so the norm is again one all-reduce of the
+[2] stats over the world. No all-gather follows: ZeRO-3 gathers parameters when the forward needs them.
+
+Not covered (raise at initialize): optimizer or parameter offload, MiCS, ZeRO-3 sub-groups partitioned over
+another group than the data-parallel one (AutoEP experts), tensor/pipeline parallelism (mpu).
 """
 
 from __future__ import annotations
@@ -82,20 +93,24 @@ def zero_section(ds_config: dict) -> dict:
 
 
 def check_zero_setup(ds_config: dict) -> None:
-    """FusedAdamWClip runs under ZeRO 0/1/2 without optimizer offload: a config that selects it with ZeRO-3 or
-    offload is refused from the config alone, before a model is changed or an engine built (``attach`` would
-    find it only once DeepSpeed had built the whole engine)."""
+    """FusedAdamWClip runs under ZeRO 0-3 without offload and without MiCS: a config that selects it with
+    offload or MiCS is refused from the config alone, before a model is changed or an engine built (``attach``
+    would find it only once DeepSpeed had built the whole engine)."""
     zero = zero_section(ds_config)
     stage = zero.get("stage", 0)
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    problem = (f'"zero_optimization": {{"stage": {stage}}}' if stage == 3 else
-               f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else
-               '"cpu_offload": true (DeepSpeed\'s deprecated offload_optimizer)' if zero.get("cpu_offload") else None)
+    offload_param = (zero.get("offload_param") or {}).get("device", "none")
+    mics = zero.get("mics_shard_size", -1)
+    problem = (f'"offload_optimizer": {{"device": "{offload}"}}' if str(offload).lower() not in ("none", "") else
+               '"cpu_offload": true (DeepSpeed\'s deprecated offload_optimizer)' if zero.get("cpu_offload") else
+               f'"offload_param": {{"device": "{offload_param}"}}' if int(stage) == 3 and
+               str(offload_param).lower() not in ("none", "") else
+               f'"mics_shard_size": {mics} (MiCS)' if int(stage) == 3 and mics is not None and int(mics) > 0 else None)
     if problem is not None:
-        raise ValueError(f"FusedAdamWClip (selected by the config) runs under ZeRO stages 0-2 without optimizer "
-                         f"offload; the config has {problem}. Set \"loongforge\": {{\"optimizer\": "
+        raise ValueError(f"FusedAdamWClip (selected by the config) runs under ZeRO stages 0-3 without offload or "
+                         f"MiCS; the config has {problem}. Set \"loongforge\": {{\"optimizer\": "
                          "{\"fused_adamw_clip\": false}} (and an \"optimizer\" type other than LoongForgeAdamW) "
-                         "to keep DeepSpeed's optimizer, or use ZeRO stage 2 without offload")
+                         "to keep DeepSpeed's optimizer, or drop the offload / MiCS setting")
     accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
     if (_enabled(ds_config, "bf16") or _enabled(ds_config, "bfloat16")) and int(stage) in (0, 1) and \
             accum in ("fp32", "float32", "float", "torch.float32"):
@@ -342,8 +357,12 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
         _follow_device_skips(engine, optimizer)
         return
     zero = engine.optimizer
+    if stage == 3:
+        _attach_zero3(engine, zero, optimizer)
+        return
     if stage not in (1, 2) or not isinstance(zero, DeepSpeedZeroOptimizer):
-        raise NotImplementedError(f"FusedAdamWClip supports ZeRO stages 0, 1 and 2, not {stage}")
+        raise NotImplementedError(f"FusedAdamWClip supports ZeRO stages 0-3, not {stage} "
+                                  f"({type(zero).__name__})")
     for flag in ("cpu_offload", "torch_autocast_gradscaler", "zenflow"):
         if getattr(zero, flag, None):
             raise NotImplementedError(f"FusedAdamWClip under ZeRO with {flag} is not supported")
@@ -360,6 +379,87 @@ def attach(engine, optimizer: FusedAdamWClip) -> None:
     if getattr(zero, "elastic_checkpoint", False):
         zero.state_dict = _elastic_state_dict.__get__(zero)
     _follow_device_skips(engine, optimizer)
+
+
+def _attach_zero3(engine, zero, optimizer: FusedAdamWClip) -> None:
+    """``attach`` at ZeRO-3: what the fused step cannot take is refused by name, then ZeRO's step is replaced."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(zero, DeepSpeedZeroOptimizer_Stage3) or type(zero).__name__.startswith("MiCS"):
+        raise NotImplementedError(f"FusedAdamWClip at ZeRO-3 runs on DeepSpeed's DeepSpeedZeroOptimizer_Stage3, "
+                                  f"not {type(zero).__name__}; set \"loongforge\": {{\"optimizer\": "
+                                  "{\"fused_adamw_clip\": false}} to keep DeepSpeed's optimizer")
+    for flag in ("offload_optimizer", "offload_param", "swap_optimizer", "torch_autocast_gradscaler", "zenflow",
+                 "use_muon"):
+        if getattr(zero, flag, None):
+            raise NotImplementedError(f"FusedAdamWClip under ZeRO-3 with {flag} is not supported; set "
+                                      "\"loongforge\": {\"optimizer\": {\"fused_adamw_clip\": false}} to keep "
+                                      "DeepSpeed's optimizer")
+    def ranks(group) -> list[int]:
+        if group is None or group == dist.get_world_group():
+            return list(range(dist.get_world_size()))
+        return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group=group))]
+
+    data_parallel = ranks(zero.dp_process_group)
+    for i, group in enumerate(zero.sub_group_process_groups):
+        if ranks(group) != data_parallel:
+            # the norm's all-reduce over the world counts each element once only if every partition is over the
+            # data-parallel group (AutoEP's expert sub-groups are partitioned over their expert-data-parallel one)
+            raise NotImplementedError(f"FusedAdamWClip under ZeRO-3: sub-group {i} is partitioned over another "
+                                      "process group than the data-parallel one (AutoEP expert parameters); set "
+                                      "\"loongforge\": {\"optimizer\": {\"fused_adamw_clip\": false}}")
+    _device_loss_scaler(zero)
+    for fp32 in zero.fp32_partitioned_groups_flat:
+        # DeepSpeed's initialize_optimizer_states leaves a zero gradient buffer of the largest sub-group on the fp32
+        # partitions until its first step frees it; the fused step reads the bf16/fp16 gradients, never this one
+        fp32.grad = None
+    optimizer.stats_hook = None if dist.get_world_size() == 1 else _world_all_reduce
+    zero.step = _fused_zero3_step.__get__(zero)
+    zero.loongforge_optimizer = optimizer
+    _follow_device_skips(engine, optimizer)
+
+
+@torch.no_grad()
+def _fused_zero3_step(zero, closure=None):
+    """DeepSpeedZeroOptimizer_Stage3.step (no offload) with its overflow check, norm, unscale/clip and fp32
+    gradient copies replaced by one FusedAdamWClip step over every sub-group (module doc). The bookkeeping
+    around it is DeepSpeed 0.19.8's own: ``_pre_step``, the parameters partitioned, the model's gradients
+    cleared, the partitioned parameters re-pointed at the flat bf16/fp16 partition, ``_post_step`` (persistent
+    parameters gathered)."""
+    zero._pre_step()
+    zero._partition_all_parameters()
+    zero.overflow = False  # a non-finite step is skipped on the device, never reported to the host
+    zero.zero_grad(set_to_none=True)  # the epilogue copied the gradients into the partition buffer already
+    optimizer = zero.loongforge_optimizer
+    per_group, copies = [], []
+    for i in range(len(zero.fp16_groups)):
+        fp32, low = zero.fp32_partitioned_groups_flat[i], zero.fp16_partitioned_groups_flat[i]
+        fp32_model = low.dtype == fp32.dtype  # fp32 params: the fp32 partition is stepped, then copied below
+        pieces = zero.averaged_gradients[i]
+        grad_dtype = fp32.dtype if fp32_model or pieces[0].dtype == torch.float32 else low.dtype
+        # the per-parameter gradient views into ZeRO's flat partition buffer, read where they are
+        grad = pieces if all(g.dtype == grad_dtype for g in pieces) else zero.flatten(pieces).to(grad_dtype)
+        group_index = zero.sub_group_to_group_id[i]
+        per_group.append((optimizer.param_groups[group_index],
+                          [optimizer.partition_bucket(group_index, fp32, grad, None if fp32_model else low,
+                                                      key=("zero3", i))]))
+        if fp32_model:
+            copies.append(i)
+    scaler = _device_loss_scaler(zero)
+    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
+    optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
+    if device_scaler:
+        scaler.update(optimizer.last_stats)
+    norm, stats = optimizer.last_grad_norm, optimizer.last_stats
+    zero._global_grad_norm = norm if norm is None else norm.masked_fill(stats[1] != 0, float("inf"))
+    del per_group
+    for i in range(len(zero.fp16_groups)):
+        zero.averaged_gradients[i] = None
+        if i in copies:
+            zero.fp16_partitioned_groups_flat[i].data.copy_(zero.fp32_partitioned_groups_flat[i].data)
+        zero._unflatten_partitioned_parameters(i)
+    zero._post_step(set())
 
 
 def _elastic_state_dict(zero) -> dict:
@@ -553,7 +653,8 @@ def _device_loss_scaler(zero):
     if getattr(scaler, "dynamic", False) and not isinstance(scaler, DeviceLossScaler):
         scaler = zero.loss_scaler = DeviceLossScaler.like(scaler)
     if isinstance(scaler, DeviceLossScaler):
-        scaler.to(zero.single_partition_of_fp32_groups[0].device)
+        partitions = getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2; ZeRO-3's are below
+        scaler.to((partitions or zero.fp32_partitioned_groups_flat)[0].device)
     return scaler
 
 

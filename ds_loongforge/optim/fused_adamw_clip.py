@@ -215,7 +215,7 @@ class FusedAdamWClip(torch.optim.Optimizer):
                 shared.copy_(bucket.steps[0])  # together (or not at all, on a skipped step)
 
     def partition_bucket(self, group_index: int, master: torch.Tensor, grad: torch.Tensor | list[torch.Tensor],
-                         low_precision: torch.Tensor | None = None) -> AdamWBucket:
+                         low_precision: torch.Tensor | None = None, key=None) -> AdamWBucket:
         """One bucket over a flat fp32 partition ``master`` (this optimizer's param of group ``group_index``)
         and its gradient ``grad``. With ``low_precision`` (the bf16/fp16 partition the model reads), the kernel
         reads the gradient in that dtype and writes both the fp32 partition and the low-precision one: no fp32
@@ -226,9 +226,12 @@ class FusedAdamWClip(torch.optim.Optimizer):
         of the partition and its moments, so no flat copy of the gradients is made. Every entry needs its own
         step counter in the kernel; they are scratch copies of the partition's one step, written back by
         ``step_buckets``. The slices are cut once and reused while the pieces' sizes and the partition's storage
-        stay the same (every step, in training)."""
+        stay the same (every step, in training).
+
+        ``key``: which cached bucket this is, where one group has several partitions (ZeRO-3's sub-groups); the
+        group's index by default."""
         state = self._state_for(master)
-        key = ("partition", group_index)
+        key = ("partition", group_index) if key is None else ("partition", key)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = AdamWBucket([], [], [], [], [])

@@ -581,7 +581,8 @@ def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, accel
 
 
 # the HF Trainer under a ZeRO-3 config: TrainingArguments registers it, so from_pretrained builds the model under
-# zero.Init; argv[3] "1": the block (from argv[1]'s config), else none; the logged losses
+# zero.Init; argv[3] "1": the block (from argv[1]'s config), "2": the block with fused_adamw_clip, "0": none; the
+# logged losses
 TRAINER_ZERO_INIT_SCRIPT = MODEL_SNIPPET + """
 import os
 from transformers import Trainer, TrainingArguments
@@ -590,8 +591,10 @@ folder = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "model")
 if int(os.environ.get("RANK", "0")) == 0:
     model.save_pretrained(folder)
 config = json.load(open(sys.argv[1]))
-if sys.argv[3] != "1":
+if sys.argv[3] == "0":
     config.pop("loongforge")
+elif sys.argv[3] == "2":
+    config["loongforge"]["optimizer"] = {"fused_adamw_clip": True}
 args = TrainingArguments(output_dir=sys.argv[2], deepspeed=config, max_steps=3, per_device_train_batch_size=2,
                          learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
 torch.distributed.barrier()
@@ -610,26 +613,32 @@ leave()
 def test_hf_trainer_zero3_model_built_under_zero_init(tmp_path, accelerate_installed):
     """The HF Trainer with a ZeRO-3 config builds the model under zero.Init; the block alone injects it, the fused
     LM head + cross-entropy included (ZeRO-3 gathers the head's weight for the model's forward and backward), and
-    the Trainer's 3 logged losses on 2 ranks are stock's (the fused kernels' sums in another order: 1e-5)."""
+    the Trainer's 3 logged losses on 2 ranks are stock's (the fused kernels' sums in another order: 1e-5). With
+    fused_adamw_clip too, FusedAdamWClip stands in for the Trainer's AdamW inside ZeRO-3 and the losses are again
+    stock's (AdamW and the clip in fp32 in another order)."""
     config = {**HF_BASE, **ENABLED, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "gradient_clipping": 1.0}
     runs = {}
-    for block in ("1", "0"):
+    for block in ("1", "2", "0"):
         (tmp_path / block).mkdir()
         output = _run_script(tmp_path / block, TRAINER_ZERO_INIT_SCRIPT, config, str(tmp_path / block / "out"),
                              block, ranks=2)
         runs[block] = _tagged(output, "TRAINED")
         assert runs[block]["built_partitioned"], runs
         types = set(_result(output)["types"])
-        if block == "1":
+        if block != "0":
             assert OUR_TYPES <= types and not STOCK_TYPES & types, sorted(types)
             assert "[LoongForge] fused RMSNorm: 5 modules" in output
             assert "_DeferredLMHead" in types and "runs the original forward" not in output  # the fused loss ran
         else:
             assert not OUR_TYPES & types, sorted(types)
-    ours, stock = runs["1"]["losses"], runs["0"]["losses"]
-    assert len(ours) == len(stock) == 3 and len(set(stock)) == 3, runs
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, stock)), runs
+        assert ("FusedAdamWClip takes the script's AdamW" in output) == (block == "2"), block
+    stock = runs["0"]["losses"]
+    assert len(set(stock)) == 3, runs
+    for block in ("1", "2"):
+        ours = runs[block]["losses"]
+        assert len(ours) == len(stock) == 3, runs
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, stock)), (block, runs)
 
 
 def test_hf_trainer_torch_compile_trains_the_injected_model_as_eager(tmp_path, accelerate_installed):

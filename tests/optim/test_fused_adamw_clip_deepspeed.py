@@ -1,4 +1,4 @@
-"""FusedAdamWClip inside DeepSpeed (CPU accelerator, gloo): ZeRO-0, 1 and 2 (fp32) and ZeRO-2 bf16 with 2
+"""FusedAdamWClip inside DeepSpeed (CPU accelerator, gloo): ZeRO-0, 1, 2 and 3 (fp32) and ZeRO-2 and 3 bf16 with 2
 processes give the parameters and global norms of plain PyTorch (torch.optim.AdamW + clip_grad_norm_) on the
 whole global batch, with two parameter groups, one step whose gradients are nan (skipped everywhere), and a
 checkpoint whose resumed next step is bitwise identical. Also the config plumbing and its errors (single
@@ -31,8 +31,14 @@ LR, WD = 0.02, 0.1
 # ~lr * eps / |g| ~ 6e-4, a wrong moment or decay by O(lr).
 EPS = 1e-4
 SPAWN_TIMEOUT_S = 240
-RESUMED_RUNS = [(2, False), (2, True)]  # checkpointed one step before the end and resumed
-RUNS = [(0, False), (1, False), (2, False), (2, True), (0, True)]  # (ZeRO stage, bf16); ZeRO-0 bf16 runs as ZeRO-1
+RESUMED_RUNS = [(2, False), (2, True), (3, False), (3, True)]  # checkpointed one step before the end and resumed
+# (ZeRO stage, bf16); ZeRO-0 bf16 runs as ZeRO-1
+RUNS = [(0, False), (1, False), (2, False), (2, True), (0, True), (3, False), (3, True)]
+# ZeRO-3: a sub-group closes once its partitions reach 30 elements, which splits the weights' group (128 + 64, per
+# rank 64 + 32 in a world of 2) in two and leaves the biases' (16 + 4) whole, so one param group has two fp32
+# partitions; fp32 keeps DeepSpeed's persistence threshold (every parameter here stays gathered and is
+# re-gathered after the step), bf16 sets it to 0 (every parameter partitioned, gathered by the forward)
+SUB_GROUP_SIZE = 30
 
 
 def _spawn(fn, world: int, *args) -> None:
@@ -64,14 +70,25 @@ def _loss(model, x, target):
 
 
 def _config(stage: int, by_block: bool = False, bf16: bool = False) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["sub_group_size"] = SUB_GROUP_SIZE
+        if bf16:
+            zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
+              "zero_optimization": zero, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
               "optimizer": {"type": "LoongForgeAdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95],
                                                                   "eps": EPS, "impl": "cpu"}}}
     if by_block:
         config["optimizer"]["type"] = "AdamW"
         config["loongforge"] = {"enabled": True, "optimizer": {"fused_adamw_clip": True}}
     return config
+
+
+def _gathered(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters as fp32 copies, gathered first under ZeRO-3 (a no-op for other stages)."""
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return [p.detach().float().clone() for p in model.parameters()]
 
 
 def _worker(rank, world, port, seed, out_dir):
@@ -91,11 +108,17 @@ def _worker(rank, world, port, seed, out_dir):
                                      config=_config(stage, by_block=stage == 2, bf16=bf16))
         assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.gradient_clipping() == 0.0
         assert engine.zero_optimization_stage() == (1 if run == (0, True) else stage)
-        if engine.zero_optimization_stage() > 0:
+        if engine.zero_optimization_stage() == 3:
+            zero = engine.optimizer
+            assert len(zero.fp16_groups) == 3 and list(zero.sub_group_to_group_id.values()) == [0, 0, 1], \
+                "the weights' group is two ZeRO-3 sub-groups"
+            assert all(fp32.grad is None for fp32 in zero.fp32_partitioned_groups_flat)
+            assert (engine.basic_optimizer.stats_hook is None) == (world == 1)
+        if engine.zero_optimization_stage() in (1, 2):
             # what ZeRO saves in every optimizer file and restores over the config on load: the optimizer's
             # max_norm, not the 0 DeepSpeed runs with (a resume with DeepSpeed's optimizer lost clipping)
             assert engine.optimizer.state_dict()["clip_grad"] == CLIP
-        if engine.zero_optimization_stage() > 0:
+        if engine.zero_optimization_stage() in (1, 2):
             zero = engine.optimizer
             assert zero.gradient_average == (world > 1), "the division by 1 is skipped only in one process"
             assert (engine.basic_optimizer.stats_hook is None) == (world == 1)
@@ -110,8 +133,10 @@ def _worker(rank, world, port, seed, out_dir):
         for step, (x, target) in enumerate(batches):
             engine.backward(_loss(engine, x[rank].to(cast), target[rank].to(cast)))
             engine.step()
+            if stage == 3:
+                assert all(fp32.grad is None for fp32 in engine.optimizer.fp32_partitioned_groups_flat)
             norms.append(engine.get_global_grad_norm().clone())
-            params.append([p.detach().float().clone() for p in model.parameters()])
+            params.append(_gathered(model))
             if run in RESUMED_RUNS and step == STEPS - 2:
                 engine.save_checkpoint(f"{out_dir}/ckpt{int(bf16)}", tag="t")
         results[run] = {"norms": norms, "params": params, "skipped": engine.basic_optimizer.skipped_steps,
@@ -124,7 +149,7 @@ def _worker(rank, world, port, seed, out_dir):
             x, target = batches[-1]
             engine2.backward(_loss(engine2, x[rank].to(cast), target[rank].to(cast)))
             engine2.step()
-            results["resumed", run] = [p.detach().float().clone() for p in fresh.parameters()]
+            results["resumed", run] = _gathered(fresh)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -182,7 +207,7 @@ def test_zero0_1_2_equal_torch_on_the_global_batch(tmp_path, world):
                 for a, b in zip(full["params"][step], fast["params"][step]):
                     assert torch.equal(a, b), (stage_bf16, step)
     for r in range(world):
-        for run in RESUMED_RUNS:  # fp32, and bf16 (the kernel writes the fp32 and bf16 partitions in place)
+        for run in RESUMED_RUNS:  # fp32, bf16 (the kernel writes the fp32 and bf16 partitions in place); ZeRO-2, 3
             assert ranks[r]["resumed_skipped", run] == 1
             for a, b in zip(ranks[r]["resumed", run], ranks[r][run]["params"][-1]):
                 assert torch.equal(a, b), run
@@ -233,19 +258,21 @@ def test_deepspeed_adam_without_adam_w_mode_is_adamw():
 
 
 @pytest.mark.parametrize("zero, problem", [
-    ({"stage": 3}, r'"zero_optimization": \{"stage": 3\}'),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, r'"offload_optimizer": \{"device": "cpu"\}'),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, r'"offload_param": \{"device": "cpu"\}'),
+    ({"stage": 3, "mics_shard_size": 2}, r'"mics_shard_size": 2 \(MiCS\)'),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, r'"offload_optimizer": \{"device": "cpu"\}')])
 def test_a_zero_setup_it_cannot_run_is_refused_before_anything_is_built(zero, problem):
-    """ZeRO-3 and optimizer offload with fused_adamw_clip: an error naming the setting and the fix, before inject
-    or DeepSpeed touch the model (a user found it raised only after DeepSpeed had built the whole engine)."""
+    """Offload and MiCS with fused_adamw_clip: an error naming the setting and the fix, before inject or DeepSpeed
+    touch the model (a user found it raised only after DeepSpeed had built the whole engine)."""
     import ds_loongforge
 
     model = _model(0)
     before = [p.detach().clone() for p in model.parameters()]
     config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": zero,
               "loongforge": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
-    with pytest.raises(ValueError, match=r"FusedAdamWClip \(selected by the config\) runs under ZeRO stages 0-2 "
-                                         r"without optimizer offload; the config has " + problem +
+    with pytest.raises(ValueError, match=r"FusedAdamWClip \(selected by the config\) runs under ZeRO stages 0-3 "
+                                         r"without offload or MiCS; the config has " + problem +
                                          r'.*"fused_adamw_clip": false'):
         ds_loongforge.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -254,7 +281,7 @@ def test_a_zero_setup_it_cannot_run_is_refused_before_anything_is_built(zero, pr
 
     by_type = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": zero,
                "optimizer": {"type": "LoongForgeAdamW", "params": {"lr": LR}}}
-    with pytest.raises(ValueError, match=r"runs under ZeRO stages 0-2 without optimizer offload; the config has "
+    with pytest.raises(ValueError, match=r"runs under ZeRO stages 0-3 without offload or MiCS; the config has "
                                          + problem):
         initialize(model=model, model_parameters=model.parameters(), config=by_type)
 

@@ -1,7 +1,7 @@
 """FusedAdamWClip inside DeepSpeed on one GPU (gpu marker): fp16 with the device-side dynamic loss scale
-(ZeRO-2, and ZeRO-0 which runs as ZeRO-1) against stock DeepSpeed fp16 (torch AdamW, its host loss scaler and
-clip) with a nan step in the middle, under an LR schedule that a skipped step must not advance, and no host
-synchronisation inside engine.step() (bf16 ZeRO-2 and fp16).
+(ZeRO-2, ZeRO-3, and ZeRO-0 which runs as ZeRO-1) against stock DeepSpeed fp16 at the same stage (torch AdamW,
+its host loss scaler and clip) with a nan step in the middle, under an LR schedule that a skipped step must not
+advance, and no host synchronisation inside engine.step() (bf16 and fp16, ZeRO-2 and ZeRO-3).
 DeepSpeed has no fp16 on the CPU accelerator here, so these run only on the GPU."""
 
 import logging
@@ -19,6 +19,8 @@ from tests._dist import spawn_with_deadline
 pytestmark = pytest.mark.gpu
 
 IN, HID, OUT, ROWS, STEPS, NAN_STEP, CLIP, LR = 64, 256, 32, 16, 12, 5, 0.5, 1e-3
+RUNS = [(2, "fp16", True), (2, "fp16", False), (0, "fp16", True), (2, "bf16", True),
+        (3, "fp16", True), (3, "fp16", False), (3, "bf16", True)]  # (ZeRO stage, precision, FusedAdamWClip)
 
 
 def _model(seed):
@@ -28,7 +30,8 @@ def _model(seed):
 
 def _config(stage, precision, ours):
     config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+              "steps_per_print": 10**9,
               "optimizer": {"type": "LoongForgeAdamW" if ours else "AdamW",
                             "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95]}}}
     if not ours:
@@ -55,7 +58,7 @@ def _worker(rank, world, port, seed, out_dir):
     data = [(torch.randn(ROWS, IN, generator=g), torch.randn(ROWS, OUT, generator=g)) for _ in range(STEPS)]
     data[NAN_STEP][0][0, 0] = float("nan")
     results = {}
-    for stage, precision, ours in [(2, "fp16", True), (2, "fp16", False), (0, "fp16", True), (2, "bf16", True)]:
+    for stage, precision, ours in RUNS:
         model = _model(seed)
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
                                 config=_config(stage, precision, ours))
@@ -88,9 +91,10 @@ def _worker(rank, world, port, seed, out_dir):
             assert engine.zero_optimization_stage() == (1 if stage == 0 else stage)
             if precision == "fp16":
                 assert isinstance(engine.optimizer.loss_scaler, DeviceLossScaler)
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):  # ZeRO-3: gathered; else a no-op
+            params = [p.detach().float().cpu() for p in model.parameters()]
         results[(stage, precision, ours)] = {"scales": scales, "syncs": syncs, "skipped": engine.skipped_steps,
-                                             "lrs": lrs,
-                                             "params": [p.detach().float().cpu() for p in model.parameters()]}
+                                             "lrs": lrs, "params": params}
         del engine
     torch.save(results, f"{out_dir}/gpu.pt")
 
@@ -99,9 +103,8 @@ def test_fp16_device_loss_scale_and_no_host_sync_in_step(tmp_path):
     seed = int(torch.randint(0, 2**31, ()))
     spawn_with_deadline(_worker, 1, seed, str(tmp_path), timeout_s=300)
     results = torch.load(tmp_path / "gpu.pt", weights_only=False)
-    stock = results[(2, "fp16", False)]
-    for key in [(2, "fp16", True), (0, "fp16", True)]:
-        ours = results[key]
+    for key in [(2, "fp16", True), (0, "fp16", True), (3, "fp16", True)]:
+        ours, stock = results[key], results[(3 if key[0] == 3 else 2, "fp16", False)]
         # the same loss-scale history as DeepSpeed's host scaler: halved at the nan step, doubled every 3 clean
         assert ours["scales"] == stock["scales"], (key, ours["scales"], stock["scales"])
         assert stock["scales"][NAN_STEP] == stock["scales"][NAN_STEP - 1] / 2
@@ -112,6 +115,6 @@ def test_fp16_device_loss_scale_and_no_host_sync_in_step(tmp_path):
         diff = torch.cat([(a - b).flatten() for a, b in zip(ours["params"], stock["params"])])
         # fp16 params: both step fp32 masters; the updates agree to fp16 rounding
         assert (diff.abs() <= 2e-3).float().mean() >= 0.95, (key, diff.abs().max())
-    for key in [(2, "fp16", True), (0, "fp16", True), (2, "bf16", True)]:
+    for key in [k for k in RUNS if k[2]]:
         assert results[key]["syncs"] == [], (key, results[key]["syncs"])
-    assert results[(2, "bf16", True)]["skipped"] == 1
+    assert results[(2, "bf16", True)]["skipped"] == results[(3, "bf16", True)]["skipped"] == 1
