@@ -1081,6 +1081,19 @@ def test_checkpoint_across_the_fused_mlp_with_mlp_biases(tmp_path, autoload_inst
     assert (mapped in output) == (mlp_bias or optimizer == "script"), output[-6000:]
 
 
+@pytest.mark.parametrize("stage, first, second, dtype", [
+    (3, "fused_adamw_clip", "absent", "fp32"),
+    (3, "absent", "fused_adamw_clip", "bf16"),
+])
+def test_checkpoint_across_the_fused_mlp_with_fused_adamw_clip_at_zero3(tmp_path, autoload_installed, stage, first,
+                                                                        second, dtype):
+    """FusedAdamWClip at ZeRO-3 (standing in for the script's AdamW) keeps its state as torch's AdamW keeps it, one
+    entry per ZeRO-3 sub-group's fp32 partition: a stock run resumes its checkpoint across the MLP layout and the
+    other way, masters and moments as saved, and the next step is the saving engine's."""
+    output = _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype)
+    assert "FusedAdamWClip takes the script's AdamW" in output, output[-6000:]
+
+
 @pytest.mark.parametrize("stage, first, second, dtype, frozen", [
     (3, "enabled", "absent", "fp32", ["embed_tokens"]),  # was loaded silently wrong, as without frozen parameters
     (3, "absent", "enabled", "bf16", ["mlp"]),  # was a KeyError: the frozen gate_up_proj looked up by name
@@ -1119,7 +1132,8 @@ def _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen=(
     biases); checks what it saved; its output."""
     import torch
 
-    blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False}}
+    blocks = {"absent": None, "enabled": {"enabled": True}, "disabled": {"enabled": False},
+              "fused_adamw_clip": {"enabled": True, "optimizer": {"fused_adamw_clip": True}}}
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
     config = {**DS_BASE, "zero_optimization": {**zero, **(offload or {})}, "gradient_clipping": 1.0,
               "bf16": {"enabled": dtype == "bf16"}}
@@ -1131,7 +1145,8 @@ def _resume_across_the_fused_mlp(tmp_path, stage, first, second, dtype, frozen=(
                          json.dumps(blocks[first]), json.dumps(blocks[second]), json.dumps(list(frozen)), ranks=2,
                          env={"LF_TEST_MLP_BIAS": "1" if mlp_bias else "0"})
     result = torch.load(tmp_path / "ckpt" / "result.pt")
-    assert result["fused"] == [first == "enabled", second == "enabled"] and result["steps"] == [3, 3]
+    on = ("enabled", "fused_adamw_clip")
+    assert result["fused"] == [first in on, second in on] and result["steps"] == [3, 3]
     assert result["saved"].keys() == result["loaded"].keys()
     for name, value in result["saved"].items():
         assert torch.equal(result["loaded"][name], value), name
