@@ -446,13 +446,7 @@ def _fused_zero3_step(zero, closure=None):
                                                       key=("zero3", i))]))
         if fp32_model:
             copies.append(i)
-    scaler = _device_loss_scaler(zero)
-    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
-    optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
-    if device_scaler:
-        scaler.update(optimizer.last_stats)
-    norm, stats = optimizer.last_grad_norm, optimizer.last_stats
-    zero._global_grad_norm = norm if norm is None else norm.masked_fill(stats[1] != 0, float("inf"))
+    _step_and_record_norm(zero, optimizer, per_group)
     del per_group
     for i in range(len(zero.fp16_groups)):
         zero.averaged_gradients[i] = None
@@ -770,6 +764,19 @@ def _world_all_reduce(stats: torch.Tensor) -> None:
     dist.all_reduce(stats)
 
 
+def _step_and_record_norm(zero, optimizer: FusedAdamWClip, per_group: list) -> None:
+    """The fused step over ZeRO's prepared buckets, unscaled by ZeRO's loss scale (the device scaler's inverse,
+    updated from the step's stats after it; or a host constant), and the norm ZeRO reports."""
+    scaler = _device_loss_scaler(zero)
+    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
+    optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
+    if device_scaler:
+        scaler.update(optimizer.last_stats)
+    # a skipped step's norm is inf, as DeepSpeed's ZeRO reports an overflow step's (ours would be nan with any nan)
+    norm, stats = optimizer.last_grad_norm, optimizer.last_stats
+    zero._global_grad_norm = norm if norm is None else norm.masked_fill(stats[1] != 0, float("inf"))
+
+
 @torch.no_grad()
 def _fused_zero_step(zero, closure=None):
     """DeepSpeedZeroOptimizer.step (ZeRO-1/2, no offload) with the overflow check, norm and clip passes
@@ -814,14 +821,7 @@ def _fused_zero_step(zero, closure=None):
             grad = flat.to(grad_dtype)  # a no-op unless grads differ
         per_group.append((optimizer.param_groups[i],
                           [optimizer.partition_bucket(i, fp32_groups[i], grad, None if fp32_model else low)]))
-    scaler = _device_loss_scaler(zero)
-    device_scaler = isinstance(scaler, DeviceLossScaler) and not zero.custom_loss_scaler
-    optimizer.step_buckets(per_group, inv_scale=scaler.inverse() if device_scaler else 1.0 / float(zero.loss_scale))
-    if device_scaler:
-        scaler.update(optimizer.last_stats)
-    # a skipped step's norm is inf, as DeepSpeed's ZeRO reports an overflow step's (ours would be nan with any nan)
-    norm, stats = optimizer.last_grad_norm, optimizer.last_stats
-    zero._global_grad_norm = norm if norm is None else norm.masked_fill(stats[1] != 0, float("inf"))
+    _step_and_record_norm(zero, optimizer, per_group)
     for i in range(len(zero.bit16_groups)):  # the gradients were read in place: release them only now
         zero.free_grad_in_param_list(zero.params_in_partition[i])
         zero._release_preflattened_grad_buffers(i)
