@@ -6,7 +6,14 @@ The tiny Mixtral of that test (bf16 and fp32, ZeRO-3, the loongforge block, 3 Ad
 setting: loaded whole twice, and under zero.Init twice. Settings: as the test runs; flash attention off (SDPA's
 flash backward accumulates dQ with atomics, and it runs for bf16 only); torch's deterministic algorithms on
 (CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts). If "whole vs whole" already differs, the difference is
-run-to-run nondeterminism of the GPU path, not zero.Init.
+run-to-run nondeterminism of the GPU path, not zero.Init. Each comparison also names what differs in the start
+state (every parameter gathered, every buffer, with dtypes) and the first module whose output differs in the first
+forward.
+
+Found (H100, b649750): run-to-run bits are equal in every setting; the one start-state difference is the rotary
+``inv_freq`` / ``original_inv_freq`` buffers, bf16 under zero.Init on the GPU and fp32 in a whole load (1.2e-4 apart),
+and the first output that differs is layer 0's attention (``o_proj``). The CPU keeps them fp32 either way. The test
+now gives its whole load zero.Init's buffer dtypes and asserts bits on the GPU too.
 
     python -m benchmarks.diagnose_zero_init_bits --out diagnose_zero_init_bits.json   (one GPU, or the CPU with DS_ACCELERATOR=cpu;
     MASTER_ADDR etc. set)
