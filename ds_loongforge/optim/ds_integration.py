@@ -386,17 +386,16 @@ def _attach_zero3(engine, zero, optimizer: FusedAdamWClip) -> None:
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+    keep = 'set "loongforge": {"optimizer": {"fused_adamw_clip": false}} to keep DeepSpeed\'s optimizer'
     if not isinstance(zero, DeepSpeedZeroOptimizer_Stage3) or type(zero).__name__.startswith("MiCS"):
         raise NotImplementedError(f"FusedAdamWClip at ZeRO-3 runs on DeepSpeed's DeepSpeedZeroOptimizer_Stage3, "
-                                  f"not {type(zero).__name__}; set \"loongforge\": {{\"optimizer\": "
-                                  "{\"fused_adamw_clip\": false}} to keep DeepSpeed's optimizer")
+                                  f"not {type(zero).__name__}; {keep}")
     for flag in ("offload_optimizer", "offload_param", "swap_optimizer", "torch_autocast_gradscaler", "zenflow",
                  "use_muon"):
         if getattr(zero, flag, None):
-            raise NotImplementedError(f"FusedAdamWClip under ZeRO-3 with {flag} is not supported; set "
-                                      "\"loongforge\": {\"optimizer\": {\"fused_adamw_clip\": false}} to keep "
-                                      "DeepSpeed's optimizer")
-    def ranks(group) -> list[int]:
+            raise NotImplementedError(f"FusedAdamWClip under ZeRO-3 with {flag} is not supported; {keep}")
+
+    def ranks(group) -> list[int]:  # the global ranks of a group (DeepSpeed's _get_sub_group_partition_ranks, any group)
         if group is None or group == dist.get_world_group():
             return list(range(dist.get_world_size()))
         return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group=group))]
@@ -407,8 +406,7 @@ def _attach_zero3(engine, zero, optimizer: FusedAdamWClip) -> None:
             # the norm's all-reduce over the world counts each element once only if every partition is over the
             # data-parallel group (AutoEP's expert sub-groups are partitioned over their expert-data-parallel one)
             raise NotImplementedError(f"FusedAdamWClip under ZeRO-3: sub-group {i} is partitioned over another "
-                                      "process group than the data-parallel one (AutoEP expert parameters); set "
-                                      "\"loongforge\": {\"optimizer\": {\"fused_adamw_clip\": false}}")
+                                      f"process group than the data-parallel one (AutoEP expert parameters); {keep}")
     _device_loss_scaler(zero)
     for fp32 in zero.fp32_partitioned_groups_flat:
         # DeepSpeed's initialize_optimizer_states leaves a zero gradient buffer of the largest sub-group on the fp32
@@ -432,7 +430,7 @@ def _fused_zero3_step(zero, closure=None):
     zero.overflow = False  # a non-finite step is skipped on the device, never reported to the host
     zero.zero_grad(set_to_none=True)  # the epilogue copied the gradients into the partition buffer already
     optimizer = zero.loongforge_optimizer
-    per_group, copies = [], []
+    per_group = []
     for i in range(len(zero.fp16_groups)):
         fp32, low = zero.fp32_partitioned_groups_flat[i], zero.fp16_partitioned_groups_flat[i]
         fp32_model = low.dtype == fp32.dtype  # fp32 params: the fp32 partition is stepped, then copied below
@@ -444,14 +442,12 @@ def _fused_zero3_step(zero, closure=None):
         per_group.append((optimizer.param_groups[group_index],
                           [optimizer.partition_bucket(group_index, fp32, grad, None if fp32_model else low,
                                                       key=("zero3", i))]))
-        if fp32_model:
-            copies.append(i)
     _step_and_record_norm(zero, optimizer, per_group)
     del per_group
-    for i in range(len(zero.fp16_groups)):
+    for i, (fp32, low) in enumerate(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)):
         zero.averaged_gradients[i] = None
-        if i in copies:
-            zero.fp16_partitioned_groups_flat[i].data.copy_(zero.fp32_partitioned_groups_flat[i].data)
+        if low.dtype == fp32.dtype:  # fp32 params: the kernel stepped the fp32 partition alone
+            low.data.copy_(fp32.data)
         zero._unflatten_partitioned_parameters(i)
     zero._post_step(set())
 

@@ -728,7 +728,6 @@ def test_deprecated_zero_optimization_forms():
         check_zero_setup({"zero_optimization": {"stage": 2, "cpu_offload": True}})
 
 
-
 def _zero3_accumulation_worker(rank, world, port, seed, out_dir):
     """ZeRO-3, 2 ranks, 3 micro-steps per step, two sub-groups per weight group: FusedAdamWClip and stock DeepSpeed
     (torch's AdamW inside ZeRO-3, its own norm and clip) from the same model and data."""
