@@ -224,6 +224,7 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
         else:
             params, sources = _split_client_groups(params)
     optimizer = deepspeed_optimizer(params, config, impl=impl)
+    _list_with_zero()
     for group in optimizer.param_groups:
         if id(group) in sources:
             optimizer.follow_hyperparameters(group, sources[id(group)])
@@ -231,6 +232,18 @@ def initialize(model, config: dict, model_parameters=None, impl: str = "auto", *
                                   config=deepspeed_config_for(config, expert_parallel), **kwargs)
     attach(result[0], optimizer)
     return result
+
+
+def _list_with_zero() -> None:
+    """List FusedAdamWClip among the optimizers DeepSpeed's ZeRO knows (``ZERO_SUPPORTED_OPTIMIZERS``, process-wide,
+    once). Unlisted, every engine built with it logs "You are using ZeRO with an untested optimizer, proceed with
+    caution" (``_do_optimizer_sanity_check``), a warning about the very step ``attach`` replaces with one tested
+    here at every ZeRO stage. ``deepspeed_config_for`` still sets ``zero_allow_untested_optimizer`` for a subclass,
+    which DeepSpeed's exact type check would not find in the list."""
+    from deepspeed.runtime.zero import utils
+
+    if FusedAdamWClip not in utils.ZERO_SUPPORTED_OPTIMIZERS:
+        utils.ZERO_SUPPORTED_OPTIMIZERS.append(FusedAdamWClip)
 
 
 def _split_client_groups(groups: list[dict]) -> tuple[list[dict], dict[int, dict]]:

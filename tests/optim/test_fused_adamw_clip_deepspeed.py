@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import deepspeed  # noqa: E402  (an install requirement: a missing one must fail, not skip)
+from deepspeed.runtime.zero.utils import is_zero_supported_optimizer  # noqa: E402
 
 from ds_loongforge.optim import (FusedAdamWClip, deepspeed_config_for, deepspeed_optimizer,  # noqa: E402
                                  uses_fused_adamw_clip)
@@ -108,6 +109,8 @@ def _worker(rank, world, port, seed, out_dir):
                                      config=_config(stage, by_block=stage == 2, bf16=bf16))
         assert isinstance(engine.basic_optimizer, FusedAdamWClip) and engine.gradient_clipping() == 0.0
         assert engine.zero_optimization_stage() == (1 if run == (0, True) else stage)
+        # listed with ZeRO: DeepSpeed's "ZeRO with an untested optimizer, proceed with caution" is not logged
+        assert is_zero_supported_optimizer(engine.basic_optimizer)
         if engine.zero_optimization_stage() == 3:
             zero = engine.optimizer
             assert len(zero.fp16_groups) == 3 and list(zero.sub_group_to_group_id.values()) == [0, 0, 1], \
