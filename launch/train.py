@@ -279,7 +279,9 @@ def build_model(name: str, vocab_size: int, seq_len: int) -> nn.Module:
                    if os.path.isfile(os.path.join(name, f))]
         if weights:
             logger.info("model: weights from %s (%s)", name, weights[0])
-            return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+            # from_pretrained returns the model in eval(): trained so, its routers' jitter and dropout would be off and
+            # the fused loss would leave every call to transformers' full logits, until the first evaluation's train()
+            return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa").train()
         logger.info("model: %s holds a config and no weights: random initialisation", name)
     else:
         raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")

@@ -89,17 +89,27 @@ def test_mixtral_aux_loss_is_added_as_transformers_adds_it():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "llama", "qwen3_moe"])
-def test_other_calls_are_the_stock_forward_bitwise(family):
+def test_other_calls_are_the_stock_forward_bitwise(family, caplog):
     stock, fused = pair(family)
     ids, labels = batch()
-    with torch.no_grad():  # training mode, labels, no grad: the original forward
-        a, b = stock(input_ids=ids, labels=labels), fused(input_ids=ids, labels=labels)
-    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
-    a, b = stock(input_ids=ids), fused(input_ids=ids)  # no labels
-    assert torch.equal(a.logits, b.logits) and b.loss is None
-    stock.eval(), fused.eval()
-    a, b = stock(input_ids=ids, labels=labels), fused(input_ids=ids, labels=labels)  # eval, with grad
-    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    eval_mode = "is in eval() mode in a call with labels and gradients on"
+    with caplog.at_level(logging.WARNING, logger="ds_loongforge"):
+        with torch.no_grad():  # training mode, labels, no grad: the original forward
+            a, b = stock(input_ids=ids, labels=labels), fused(input_ids=ids, labels=labels)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+        a, b = stock(input_ids=ids), fused(input_ids=ids)  # no labels
+        assert torch.equal(a.logits, b.logits) and b.loss is None
+        stock.eval(), fused.eval()
+        with torch.no_grad():  # an evaluation loop: eval, labels, no grad
+            a, b = stock(input_ids=ids, labels=labels), fused(input_ids=ids, labels=labels)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+        assert eval_mode not in caplog.text  # none of these is a training call
+        fused_loss._warned.clear()  # said once per process: another test may have said it already
+        for _ in range(2):
+            a, b = stock(input_ids=ids, labels=labels), fused(input_ids=ids, labels=labels)  # eval, with grad
+            assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    # a training call in all but the mode (a script that never called train() after from_pretrained): said, once
+    assert caplog.text.count(eval_mode) == 1
     assert torch.equal(stock.generate(ids[:1, :4], max_new_tokens=3, do_sample=False),
                        fused.generate(ids[:1, :4], max_new_tokens=3, do_sample=False))
 

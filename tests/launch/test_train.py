@@ -355,6 +355,9 @@ def test_model_folder_with_weights_is_the_starting_point(tmp_path):
     model = train.build_model("tiny", 259, 64)
     model.save_pretrained(tmp_path / "weights")
     loaded = train.build_model(str(tmp_path / "weights"), 259, 64)
+    # in train() mode, as built from a config (from_pretrained returns eval(): the fused loss, router jitter and
+    # dropout were off until the first evaluation switched the model back)
+    assert all(m.training for m in loaded.modules())
     state = loaded.state_dict()
     assert state.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
