@@ -491,7 +491,9 @@ for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in 
         hf_config = HfDeepSpeedConfig(config) if zero_init else None  # registered while it lives
         loaded = cls.from_pretrained(folder)
         del hf_config
-        return loaded
+        # from_pretrained returns the model in eval(), where the fused loss leaves the call to transformers (full
+        # logits); the HF Trainer trains in train() mode, so do we
+        return loaded.train()
 
     probe = load(True)
     # zero.Init's buffer dtypes: on the GPU it leaves the rotary inv_freq buffers bf16 in a bf16 run (they were built
@@ -529,11 +531,14 @@ for kind, dtype in ((kind, dtype) for kind in ("mixtral", "llama") for dtype in 
                                  engine.module, 2)
             except ValueError as e:
                 out[f"{kind} {dtype} forward kind"] = str(e)
+        fused = []
         for ids in batches:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
+            result = engine(input_ids=ids, labels=ids)
+            fused.append(result.logits is None)  # the fused loss's output: no [tokens, vocab] logits
+            engine.backward(result.loss)
             engine.step()
-            losses.append(loss.item())
+            losses.append(result.loss.item())
+        out[f"{kind} {dtype} fused loss calls" + (" zero.Init" if zero_init else "")] = fused
         runs[zero_init] = (losses, initial, gathered(engine), sorted({type(m).__name__ for m in engine.module.modules()}))
     (losses, initial, weights, types), (zlosses, zinitial, zweights, ztypes) = runs[False], runs[True]
     out[f"{kind} {dtype}"] = {"partitioned_before": partitioned_before, "params": len(list(probe.parameters())),
@@ -577,6 +582,8 @@ def test_model_loaded_under_zero_init_trains_as_one_loaded_whole(tmp_path, accel
         assert seen == length >= 3, (dtype, seen, length)  # past a refresh boundary (every 2 batches)
         assert "signature 'forward' runs a whole copy" in runs.pop(f"mixtral {dtype} forward kind"), dtype
     assert "refreshing signatures in the background" in output  # snapshots taken while iterating, too
+    for key in [k for k in runs if " fused loss calls" in k]:  # in train() mode, every step through the fused loss
+        assert runs.pop(key) == [True] * 3, key
     assert sorted(runs) == sorted(f"{kind} {dtype}" for kind in ("llama", "mixtral") for dtype in dtype_list), runs
     for case, run in runs.items():
         assert run["partitioned_before"], (case, run)

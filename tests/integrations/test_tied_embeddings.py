@@ -81,8 +81,9 @@ def _batches(world: int, seed: int) -> torch.Tensor:
 def _hf_groups(model):
     """The HF Trainer's two groups: matrices decay (the tied embedding among them), norms and biases do not."""
     named = list(model.named_parameters())  # the tied Parameter once, as model.embed_tokens.weight
-    decay = [p for n, p in named if p.ndim == 2]
-    rest = [p for n, p in named if p.ndim != 2]
+    # a zero.Init parameter's data is an empty placeholder: its whole shape is ds_shape
+    decay = [p for n, p in named if len(getattr(p, "ds_shape", p.shape)) == 2]
+    rest = [p for n, p in named if len(getattr(p, "ds_shape", p.shape)) != 2]
     return [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
 
 
@@ -153,16 +154,18 @@ def _tied(module) -> dict:
 
 
 def _train(engine, batches, rank: int) -> dict:
-    losses, norms = [], []
+    losses, norms, fused = [], [], []
     for ids in batches:
         ids = ids[rank].to(engine.device)
-        loss = engine(input_ids=ids, labels=ids).loss
+        result = engine(input_ids=ids, labels=ids)
+        fused.append(result.logits is None)  # the fused loss's output: no [tokens, vocab] logits
+        loss = result.loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float().item())
         norm = engine.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else float("nan"))
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "fused_calls": fused}
 
 
 def _run(family, stage, dtype, block, seed, batches, rank, zero_init_folder=None) -> dict:
@@ -175,7 +178,9 @@ def _run(family, stage, dtype, block, seed, batches, rank, zero_init_folder=None
         from transformers.integrations import HfDeepSpeedConfig
 
         hf_ds = HfDeepSpeedConfig({**config, "train_batch_size": MICRO * torch.distributed.get_world_size()})
-        model = _model_class(family).from_pretrained(zero_init_folder)
+        # from_pretrained returns eval(), where the fused loss leaves the call to transformers; the Trainer trains in
+        # train() mode
+        model = _model_class(family).from_pretrained(zero_init_folder).train()
         del hf_ds
         assert all(hasattr(p, "ds_id") for p in model.parameters()), "not built under zero.Init"
         assert model.lm_head.weight is model.model.embed_tokens.weight, "from_pretrained did not tie under zero.Init"
@@ -259,6 +264,8 @@ def _check_pair(case, ours: dict, stock: dict, problems: list) -> None:
     if not (facts["fused_loss"] and facts["fused_adamw_clip"] and facts["fused_mlp"] and facts["ds_clip"] == 0.0
             and facts["fallbacks"] == []):
         problems.append(f"{case}: the block is not in effect: {facts}")
+    if ours["fused_calls"] != [True] * STEPS or stock["fused_calls"] != [False] * STEPS:
+        problems.append(f"{case}: the fused loss ran in {ours['fused_calls']} (ours), {stock['fused_calls']} (stock)")
     sfacts = stock["facts"]
     if sfacts["fused_loss"] or sfacts["fused_adamw_clip"] or sfacts["fused_mlp"] or sfacts["ds_clip"] != CLIP:
         problems.append(f"{case}: the stock run is not stock: {sfacts}")
