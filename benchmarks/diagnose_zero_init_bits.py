@@ -58,7 +58,7 @@ def main() -> None:
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
         hf_config = HfDeepSpeedConfig(config) if zero_init else None
-        model = MixtralForCausalLM.from_pretrained(here)
+        model = MixtralForCausalLM.from_pretrained(here).train()  # from_pretrained returns eval(); trained as the test
         del hf_config
         engine, *_ = ds_loongforge.initialize(model=model, config=config)  # the config-only path's call
         # what the first step starts from: every parameter (gathered) and buffer, with its dtype
