@@ -19,6 +19,9 @@ import torch
 import deepspeed  # noqa: F401  (an install requirement: a missing one must fail, not skip)
 
 from tests._dist import init_cpu_rank, spawn_with_deadline
+from tests.integrations._block_vs_stock import (check_fp32_weights, check_start_and_curves, ds_config, fallbacks,
+                                                gathered, hf_groups, masters, relative_update_error,
+                                                token_batches)
 
 VOCAB, HIDDEN, INTER, SEQ, MICRO = 128, 32, 48, 16, 2
 STEPS = 4
@@ -65,53 +68,11 @@ def _ds_config(stage: int, dtype: str, block: bool) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, the tied one included
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-              "zero_optimization": zero, "bf16": {"enabled": dtype == "bf16"}, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95],
-                                                        "eps": EPS, "torch_adam": True}}}
-    if block:
-        config["loongforge"] = BLOCK
-    return config
+    return ds_config(zero, dtype, BLOCK if block else None, micro=MICRO, clip=CLIP, lr=LR, weight_decay=WD, eps=EPS)
 
 
 def _batches(world: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (STEPS, world, MICRO, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-
-
-def _hf_groups(model):
-    """The HF Trainer's two groups: matrices decay (the tied embedding among them), norms and biases do not."""
-    named = list(model.named_parameters())  # the tied Parameter once, as model.embed_tokens.weight
-    # a zero.Init parameter's data is an empty placeholder: its whole shape is ds_shape
-    decay = [p for n, p in named if len(getattr(p, "ds_shape", p.shape)) == 2]
-    rest = [p for n, p in named if len(getattr(p, "ds_shape", p.shape)) != 2]
-    return [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
-
-
-def _under_stock_names(named: dict) -> dict:
-    """Weights of an injected model under stock transformers' names (the fused MLP's gate_up_proj as gate / up)."""
-    out = {}
-    for name, value in named.items():
-        if "gate_up_proj" in name:
-            gate, up = value.chunk(2)
-            out[name.replace("gate_up_proj", "gate_proj")] = gate
-            out[name.replace("gate_up_proj", "up_proj")] = up
-        else:
-            out[name] = value
-    return out
-
-
-def _gathered(module) -> dict:
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        weights = {n: p.detach().float().clone() for n, p in module.named_parameters()}
-        head = module.lm_head.weight.detach().float().clone()
-    weights["<lm_head.weight data>"] = head
-    return _under_stock_names(weights)
-
-
-def _masters(engine) -> dict:
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    return _under_stock_names({n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()})
+    return token_batches(STEPS, world, MICRO, SEQ, VOCAB, seed)
 
 
 def _optimizer_holdings(engine) -> dict:
@@ -135,13 +96,6 @@ def _engine_facts(engine) -> dict:
             "fused_adamw_clip": isinstance(engine.basic_optimizer, FusedAdamWClip),
             "fused_mlp": any("gate_up_proj" in n for n, _ in module.named_parameters()),
             "ds_clip": engine.gradient_clipping()}
-
-
-def _fallbacks() -> list:
-    """The reasons a training call ran the original forward instead of the fused loss (logged once each)."""
-    from ds_loongforge.integrations import fused_loss
-
-    return sorted(fused_loss._warned)
 
 
 def _tied(module) -> dict:
@@ -184,13 +138,13 @@ def _run(family, stage, dtype, block, seed, batches, rank, zero_init_folder=None
         del hf_ds
         assert all(hasattr(p, "ds_id") for p in model.parameters()), "not built under zero.Init"
         assert model.lm_head.weight is model.model.embed_tokens.weight, "from_pretrained did not tie under zero.Init"
-    engine, *_ = ds.initialize(model=model, model_parameters=_hf_groups(model), config=config)
+    engine, *_ = ds.initialize(model=model, model_parameters=hf_groups(model, WD), config=config)
     facts = _engine_facts(engine)
-    initial = _gathered(engine.module)
+    initial = gathered(engine.module, head_data=True)
     result = _train(engine, batches, rank)
-    facts["fallbacks"] = _fallbacks()
-    result.update(facts=facts, initial=initial, weights=_gathered(engine.module), masters=_masters(engine),
-                  tied=_tied(engine.module), holdings=_optimizer_holdings(engine))
+    facts["fallbacks"] = fallbacks()
+    result.update(facts=facts, initial=initial, weights=gathered(engine.module, head_data=True),
+                  masters=masters(engine), tied=_tied(engine.module), holdings=_optimizer_holdings(engine))
     return result
 
 
@@ -223,22 +177,22 @@ def _checkpoint_worker(rank, world, port, seed, out_dir):
         for dtype in DTYPES:
             config = _ds_config(2, dtype, block=True)
             model = _model(family, seed)
-            engine, *_ = ds.initialize(model=model, model_parameters=_hf_groups(model), config=config)
+            engine, *_ = ds.initialize(model=model, model_parameters=hf_groups(model, WD), config=config)
             first = _train(engine, batches[:-1], rank)
-            saved = {"weights": _gathered(engine.module), "masters": _masters(engine)}
+            saved = {"weights": gathered(engine.module, head_data=True), "masters": masters(engine)}
             engine.save_checkpoint(f"{out_dir}/{family}_{dtype}", tag="t")
             last = _train(engine, batches[-1:], rank)
-            straight = {"weights": _gathered(engine.module), "masters": _masters(engine), **last}
+            straight = {"weights": gathered(engine.module, head_data=True), "masters": masters(engine), **last}
 
             fresh = _model(family, seed + 1000)
-            engine2, *_ = ds.initialize(model=fresh, model_parameters=_hf_groups(fresh), config=config)
+            engine2, *_ = ds.initialize(model=fresh, model_parameters=hf_groups(fresh, WD), config=config)
             engine2.load_checkpoint(f"{out_dir}/{family}_{dtype}", tag="t")
-            loaded = {"weights": _gathered(engine2.module), "masters": _masters(engine2),
+            loaded = {"weights": gathered(engine2.module, head_data=True), "masters": masters(engine2),
                       "tied": _tied(engine2.module), "holdings": _optimizer_holdings(engine2),
                       "facts": _engine_facts(engine2)}
             last2 = _train(engine2, batches[-1:], rank)
-            loaded["facts"]["fallbacks"] = _fallbacks()
-            resumed = {"weights": _gathered(engine2.module), "masters": _masters(engine2), **last2,
+            loaded["facts"]["fallbacks"] = fallbacks()
+            resumed = {"weights": gathered(engine2.module, head_data=True), "masters": masters(engine2), **last2,
                        "tied": _tied(engine2.module)}
             results[family, dtype] = {"first": first, "saved": saved, "straight": straight, "loaded": loaded,
                                       "resumed": resumed}
@@ -246,17 +200,6 @@ def _checkpoint_worker(rank, world, port, seed, out_dir):
 
 
 # ----------------------------------------------------------------------------------------------- in pytest
-
-def _relative_update_error(ours: dict, stock: dict, initial: dict) -> dict:
-    """Per weight: ||(ours - initial) - (stock - initial)|| / ||stock - initial||, the trained update's error."""
-    out = {}
-    for name, value in stock.items():
-        if name.startswith("<"):
-            continue
-        update = value - initial[name]
-        out[name] = float((ours[name] - value).norm() / update.norm().clamp_min(1e-30))
-    return out
-
 
 def _check_pair(case, ours: dict, stock: dict, problems: list) -> None:
     """Our run against stock's: the engine set-up, the tied Parameter, losses, norms and weights."""
@@ -276,27 +219,15 @@ def _check_pair(case, ours: dict, stock: dict, problems: list) -> None:
         h = run["holdings"]
         if h["tied"] != 1 or h["held"] != h["distinct"] or not h["all_trainable_held"]:
             problems.append(f"{case} {name}: optimizer holdings {h}")
-        if not all(n > CLIP for n in run["norms"]):
-            problems.append(f"{case} {name}: clipping not active on every step, norms {run['norms']}")
-    # same starting point (names mapped through the fused MLP)
-    if sorted(ours["initial"]) != sorted(stock["initial"]):
-        problems.append(f"{case}: weight names differ: {sorted(set(ours['initial']) ^ set(stock['initial']))}")
-        return
-    bad_init = [n for n in stock["initial"] if not torch.equal(ours["initial"][n], stock["initial"][n])]
-    if bad_init:
-        problems.append(f"{case}: the initial weights differ: {bad_init}")
     bf16 = case[1] == "bf16"
-    loss_rtol, norm_rtol = (2e-2, 5e-2) if bf16 else (1e-5, 1e-4)
-    for key, rtol in (("losses", loss_rtol), ("norms", norm_rtol)):
-        a, b = torch.tensor(ours[key]), torch.tensor(stock[key])
-        if not torch.allclose(a, b, rtol=rtol, atol=0):
-            problems.append(f"{case}: {key} ours {ours[key]} stock {stock[key]}")
+    if not check_start_and_curves(case, ours, stock, problems, CLIP, *((2e-2, 5e-2) if bf16 else (1e-5, 1e-4))):
+        return
     # every weight (and the fp32 masters) after training
     if bf16:
         # bf16 forward/backward: gradients agree to bf16 rounding and Adam normalises them, so the fp32 masters
         # are compared by the trained update as a whole (measured: 1-2% apart, the worst weight); a wrong gradient
         # (e.g. a missing half of the tied one) is an O(1) error there
-        errors = _relative_update_error(ours["masters"], stock["masters"], stock["initial"])
+        errors = relative_update_error(ours["masters"], stock["masters"], stock["initial"])
         worst = max(errors, key=errors.get)
         if errors[worst] > 0.1:
             problems.append(f"{case} masters: update differs from stock's by {errors[worst]:.3g} (relative) in "
@@ -306,11 +237,7 @@ def _check_pair(case, ours: dict, stock: dict, problems: list) -> None:
             if off:
                 problems.append(f"{case} {name}: bf16 weights are not the masters rounded: {off}")
     else:
-        for what in ("weights", "masters"):
-            for name, value in stock[what].items():
-                got = ours[what][name]
-                if not torch.allclose(got, value, rtol=1e-5, atol=3e-6):
-                    problems.append(f"{case} {what} {name}: max |diff| {float((got - value).abs().max()):.3g}")
+        check_fp32_weights(case, ours, stock, problems)
     tied_w = ours["weights"]
     if not torch.equal(tied_w["<lm_head.weight data>"], tied_w["model.embed_tokens.weight"]):
         problems.append(f"{case}: our head's data is not the embedding's")
