@@ -277,9 +277,9 @@ def _in_moe_path(name: str) -> bool:
 def _check_routing(family, case, ours: dict, stock: dict, problems: list) -> None:
     """The first training forward (the same weights, the same tokens): our routers chose stock's experts for every
     token, except where stock's choice was not decided: fp32, a gap below MIN_ROUTER_GAP (fp32 rounding of the
-    fused kernels' inputs, see tests/_params.py); bf16, an exact tie of the bf16 router logits, in the first MoE layer
-    (whose input is stock's bit for bit) only. After a bf16 tie the layers above see other inputs and are not
-    compared. An exact tie goes to the lower expert id in LoongForge's router (ops/moe_router.py); torch.topk's
+    fused kernels' inputs, see tests/_params.py); bf16, an exact tie of the bf16 router logits in the first MoE layer
+    (whose input is stock's bit for bit), a gap within twice the token's logit difference between the runs above it.
+    After a bf16 difference the layers above see other inputs and are not compared. An exact tie goes to the lower expert id in LoongForge's router (ops/moe_router.py); torch.topk's
     order among equal values is its own (on the CPU: the higher id first, measured)."""
     bf16 = case[1] == "bf16"
     if sorted(ours["routes"]) != sorted(stock["routes"]) or len(stock["routes"]) != FAMILIES[family][4]:
@@ -292,8 +292,14 @@ def _check_routing(family, case, ours: dict, stock: dict, problems: list) -> Non
         if not differ.any():
             continue
         gaps = _decision_gaps(family, logits, stock["initial"], path)[differ]
-        if bf16:
-            explained = layer == 0 and torch.equal(ours_logits, logits) and bool((gaps == 0).all())
+        if bf16 and layer == 0:  # the same input bit for bit: the same logits, and only an exact tie may differ
+            explained = torch.equal(ours_logits, logits) and bool((gaps == 0).all())
+        elif bf16:
+            # above the first MoE layer the input differs by the kernels' bf16 roundings, and so do the logits: a
+            # choice may differ where stock's was decided by less than twice that token's largest logit difference
+            # (the ranked quantity moves at most as much: softmax logits, or DeepSeek-V3's sigmoid scores)
+            moved = (ours_logits.double() - logits.double()).abs().amax(-1)[differ]
+            explained = bool((gaps <= 2 * moved).all())
         else:
             explained = bool((gaps < MIN_ROUTER_GAP).all())
         if not explained:
