@@ -380,12 +380,13 @@ def _fused_loss_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwarg
         return original(*args, **kwargs)
     kwargs = {**dict(zip(spec.positional, args)), **kwargs}
     labels = kwargs.get("labels")
-    if labels is None or not model.training or not torch.is_grad_enabled():
-        if labels is not None and torch.is_grad_enabled() and not model.training:
-            # a training call in all but the mode: from_pretrained returns eval(), and a script that never calls
-            # train() trains on full logits (and without its dropout or router jitter)
-            _warn_once(model, "the model is in eval() mode in a call with labels and gradients on (from_pretrained "
-                              "returns eval(); call model.train() to train through the fused loss)")
+    if labels is None or not torch.is_grad_enabled():
+        return original(**kwargs)
+    if not model.training:
+        # a training call in all but the mode: from_pretrained returns eval(), and a script that never calls
+        # train() trains on full logits (and without its dropout or router jitter)
+        _warn_once(model, "the model is in eval() mode in a call with labels and gradients on (from_pretrained "
+                          "returns eval(); call model.train() to train through the fused loss)")
         return original(**kwargs)
     problem = _call_problem(model, kwargs)
     if problem:
