@@ -86,7 +86,9 @@ class MoEConfig(_Section):
     all_to_all_buffer_factor: float = Field(1.2, gt=0, description="Receive buffers start at ceil(factor * tokens "
                                             "* k / ep_size) rows.")
     buffer_warmup_steps: int = Field(500, ge=0, description="Forwards over which buffers calibrate to the observed "
-                                     "peak; later growth warns once.")
+                                     "peak; later growth warns once. Every forward of an MoE layer counts: eval "
+                                     "batches, and the backward's recompute under activation checkpointing (which "
+                                     "then ends warm-up after about half as many training steps).")
     buffer_growth: float = Field(0.2, gt=0, description="Fraction by which a buffer grows when a step would "
                                  "overflow it (never a dropped token).")
     overlap_chunks: int = Field(2, ge=1, description="Expert parallel: local experts are split into this many "

@@ -583,6 +583,17 @@ class ExpertMaskedMoE(nn.Module):
 
     loongforge_adds_residual = True  # forward takes ``residual`` (integrations.residual passes a decoder's)
 
+    def __getstate__(self) -> dict:
+        """``copy.deepcopy`` and pickling of a layer that has run a training forward: ``aux_loss`` is then a
+        tensor of that forward's autograd graph, which deepcopy refuses ("Only Tensors created explicitly by the
+        user ... support the deepcopy protocol"), so an injected model could not be copied after a step where
+        stock's could. The copy gets its value, detached; the layer itself keeps the graph's tensor."""
+        state = super().__getstate__()  # object's: the instance dict itself, so it is copied before the change
+        aux = state.get("aux_loss")
+        if isinstance(aux, torch.Tensor) and aux.grad_fn is not None:
+            state = dict(state, aux_loss=aux.detach())
+        return state
+
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         shape = hidden_states.shape
         if shape[-1] != self.hidden_size:

@@ -26,8 +26,7 @@ Checked, each from one torch seed (the conftest's; ``LF_TEST_SEED`` repeats a ru
    (``router_logits``: one tensor per MoE layer, not two; ``aux_loss``) come from hooks that record only inside the
    model's outer forward, so the recompute adds nothing to them either. With expert parallelism the recompute IS a
    forward of the layer: ``ReceiveBuffer.steps`` (warm-up, ``moe.buffer_warmup_steps``) counts it, which
-   ``ReceiveBuffer``'s docstring in moe.py says ("Warm-up counts forwards (eval and recomputed ones too)"), though
-   the config field's description ("Forwards over which buffers calibrate") does not mention recomputes: under
+   ``ReceiveBuffer``'s docstring in moe.py, the config field's description and the README say: under
    checkpointing warm-up ends after about half as many training steps. Asserted in the DeepSpeed test below (2
    ranks, ``ep_size`` 2): 2 counts per layer and step with checkpointing, 1 without; the trained weights equal.
    With ``use_reentrant=True`` the checkpointed forward runs under ``no_grad``: every side output computed inside

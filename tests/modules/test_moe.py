@@ -306,6 +306,29 @@ def test_aux_losses_match_their_formulas():
     assert none.aux_loss is None
 
 
+def test_a_layer_with_an_aux_loss_copies_and_pickles_after_a_training_forward():
+    """After a training forward ``aux_loss`` belongs to that forward's graph, which ``copy.deepcopy`` refuses: an
+    injected model could not be copied after a step (stock's can). The copy and a pickled one get the value,
+    detached; the layer keeps its graph's tensor, whose backward still reaches the router."""
+    import copy
+    import io
+
+    moe = ExpertMaskedMoE(16, 16, 4, 2, aux_loss_coef=0.01, z_loss_coef=0.001, impl="cpu").train()
+    x = torch.randn(20, 16)
+    y = moe(x)
+    twin = copy.deepcopy(moe)
+    buffer = io.BytesIO()
+    torch.save(moe, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (twin, loaded):
+        assert other.aux_loss.grad_fn is None and torch.equal(other.aux_loss, moe.aux_loss.detach())
+        assert torch.equal(other(x), y.detach())  # the copies compute what the layer does
+    assert moe.aux_loss is not None and moe.aux_loss.grad_fn is not None
+    moe.aux_loss.backward()
+    assert moe.gate.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"num_experts": 4, "top_k": 5}, r"top_k must be in \[1, num_experts=4\], got 5"),
     ({"num_experts": 4, "top_k": 0}, r"top_k must be in \[1, num_experts=4\], got 0"),
