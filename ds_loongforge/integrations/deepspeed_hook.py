@@ -226,6 +226,12 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
                 logger.info("[LoongForge] client optimizer: %s with its expert parameters in 'moe' groups of their "
                             "own for ZeRO (%d added; each follows its source group's lr and other hyper-parameters)",
                             type(split).__name__, len(split.param_groups) - len(client_optimizer.param_groups))
+        elif client_optimizer is None and _unsplit_expert_groups(call.get("model_parameters"), model):
+            # DeepSpeed splits the groups for its config's optimizer by their "name" (KeyError on a group without
+            # one, as HF-style decay / no-decay groups come): split here, names given where missing
+            from ds_loongforge.modules.moe_deepspeed import moe_param_groups
+
+            call["model_parameters"] = moe_param_groups(call["model_parameters"])
         engine, optimizer, loader, scheduler = original(**call)
 
     if own_loader:
@@ -234,8 +240,11 @@ def _initialize_enabled(original, call: dict, ds_config: dict, config):
         world_size, rank = engine.dp_world_size, engine.global_rank
         if engine.mpu is not None:
             world_size, rank = engine.mpu.get_data_parallel_world_size(), engine.mpu.get_data_parallel_rank()
+        # drop_last as DeepSpeed's own loader takes it ("dataloader_drop_last"): a sampler left at false topped the
+        # epoch up with repeated samples where stock DeepSpeed drops the incomplete micro-batches
         loader = build_dataloader(training_data, config, engine.module, engine.train_micro_batch_size_per_gpu(),
-                                  rank=rank, world_size=world_size, collate_fn=call.get("collate_fn"))
+                                  rank=rank, world_size=world_size, collate_fn=call.get("collate_fn"),
+                                  drop_last=engine.dataloader_drop_last())
         engine.training_dataloader = loader
         logger.info("[LoongForge] training data: ExpertAwareSampler (%d batches per epoch on this rank)", len(loader))
     elif training_data is not None and not config.sampler.expert_aware:
@@ -444,6 +453,14 @@ def _remap_optimizer(optimizer, remap: dict[int, Any]) -> int:
         if state is not None:
             optimizer.state[part.new] = state
     return moved
+
+
+def _unsplit_expert_groups(model_parameters, model) -> bool:
+    """``model_parameters`` are param-group dicts with no 'moe' group while ``model`` has expert-parallel
+    parameters (DeepSpeed's optimizer then splits them, and needs every group named)."""
+    groups = model_parameters if isinstance(model_parameters, list) else []
+    return (bool(groups) and all(isinstance(g, dict) for g in groups) and not any(g.get("moe") for g in groups)
+            and any(getattr(p, "allreduce", True) is False for p in model.parameters()))
 
 
 def _as_list(params) -> list:
