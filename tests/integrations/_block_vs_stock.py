@@ -63,6 +63,25 @@ def relative_update_error(ours: dict, stock: dict, initial: dict) -> dict:
     return out
 
 
+def in_moe_path(name: str) -> bool:
+    """The weights a changed expert choice moves first: the MoE layers' routers, experts and shared experts (and
+    DeepSeek-V3's dense MLPs, named alike), and the norm whose output the router reads."""
+    return ".mlp." in name or "post_attention_layernorm" in name
+
+
+def check_bf16_updates(case, ours: dict, stock: dict, bounds: dict, problems: list) -> None:
+    """bf16: each fp32 master's trained update against stock's (``relative_update_error``), the worst of the MoE
+    path (``in_moe_path``) and of the rest each within its bound (``bounds``: {"MoE path": b, "rest": b})."""
+    errors = relative_update_error(ours["masters"], stock["masters"], stock["initial"])
+    for part, bound in bounds.items():
+        mine = {n: e for n, e in errors.items() if in_moe_path(n) == (part == "MoE path")}
+        worst = max(mine, key=mine.get)
+        if mine[worst] > bound:
+            problems.append(f"{case} masters ({part}): update differs from stock's by {mine[worst]:.3g} "
+                            f"(relative) in {worst}; all above {bound / 2}: "
+                            f"{[(n, round(e, 3)) for n, e in mine.items() if e > bound / 2]}")
+
+
 def fallbacks() -> list:
     """The reasons a training call ran the original forward instead of the fused loss (logged once each)."""
     from ds_loongforge.integrations import fused_loss

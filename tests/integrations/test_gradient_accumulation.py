@@ -45,14 +45,13 @@ import torch
 import deepspeed  # noqa: F401  (an install requirement: a missing one must fail, not skip)
 
 from tests._dist import init_cpu_rank, spawn_with_deadline
-from tests.integrations._block_vs_stock import (check_fp32_weights, check_start_and_curves, ds_config, gathered,
-                                                hf_groups, masters, relative_update_error, token_batches,
-                                                under_stock_names)
+from tests.integrations._block_vs_stock import (check_bf16_updates, check_fp32_weights, check_start_and_curves,
+                                                ds_config, gathered, hf_groups, masters,
+                                                token_batches, under_stock_names)
 # accelerate_installed is a fixture (it needs autoload_installed, a fixture of that module too)
 from tests.integrations.test_config_only import (HF_BASE, MODEL_SNIPPET, OUR_TYPES, STOCK_TYPES,  # noqa: F401
                                                  _result, _run_script, _tagged, accelerate_installed,
                                                  autoload_installed)
-from tests.integrations.test_moe_families_zero3 import _in_moe_path
 
 VOCAB, HIDDEN, SEQ, MICRO = 128, 32, 16, 2
 EXPERTS = 4
@@ -499,14 +498,7 @@ def test_bf16_zero2_gradient_accumulation_within_bf16_tolerance_of_stock(tmp_pat
         _same_bookkeeping(case, ours, stock, problems)
         if not check_start_and_curves(case, ours, stock, problems, CLIP, BF16_LOSS_RTOL, BF16_NORM_RTOL):
             continue
-        errors = relative_update_error(ours["masters"], stock["masters"], stock["initial"])
-        for part, bound in BF16_UPDATE_BOUND.items():
-            mine = {n: e for n, e in errors.items() if _in_moe_path(n) == (part == "MoE path")}
-            worst = max(mine, key=mine.get)
-            if mine[worst] > bound:
-                problems.append(f"{case} masters ({part}): update differs from stock's by {mine[worst]:.3g} "
-                                f"(relative) in {worst}; all above {bound / 2}: "
-                                f"{[(n, round(e, 3)) for n, e in mine.items() if e > bound / 2]}")
+        check_bf16_updates(case, ours, stock, BF16_UPDATE_BOUND, problems)
     assert not problems, f"seed {seed}:\n" + "\n".join(problems)
 
 

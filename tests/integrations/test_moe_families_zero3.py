@@ -28,8 +28,8 @@ import torch
 import deepspeed  # noqa: F401  (an install requirement: a missing one must fail, not skip)
 
 from tests._dist import init_cpu_rank, spawn_with_deadline
-from tests.integrations._block_vs_stock import (check_fp32_weights, check_start_and_curves, ds_config, fallbacks,
-                                                gathered, hf_groups, masters, relative_update_error,
+from tests.integrations._block_vs_stock import (check_bf16_updates, check_fp32_weights, check_start_and_curves,
+                                                ds_config, fallbacks, gathered, hf_groups, masters,
                                                 token_batches)
 from tests._params import MIN_ROUTER_GAP
 
@@ -268,12 +268,6 @@ def _decision_gaps(family: str, logits: torch.Tensor, initial: dict, path: str) 
     return torch.minimum(top[:, k - 1] - top[:, k], group_gap)
 
 
-def _in_moe_path(name: str) -> bool:
-    """The weights a changed expert choice moves first: the MoE layers' routers, experts and shared experts (and
-    DeepSeek-V3's dense MLPs, named alike), and the norm whose output the router reads."""
-    return ".mlp." in name or "post_attention_layernorm" in name
-
-
 def _check_routing(family, case, ours: dict, stock: dict, problems: list) -> None:
     """The first training forward (the same weights, the same tokens): our routers chose stock's experts for every
     token, except where stock's choice was not decided: fp32, a gap below MIN_ROUTER_GAP (fp32 rounding of the
@@ -355,14 +349,7 @@ def _check_pair(family, case, ours: dict, stock: dict, problems: list) -> None:
         # not ExpertMaskedMoE's numerics; two stock runs whose forwards agree bit for bit (transformers' eager and
         # grouped_mm experts) 0 to 1e-5. A missing or wrong gradient is an O(1) error in either bound; a scaled
         # one shows in the norms.
-        errors = relative_update_error(ours["masters"], stock["masters"], stock["initial"])
-        for part, bound in (("MoE path", 0.5), ("rest", 0.1)):
-            mine = {n: e for n, e in errors.items() if _in_moe_path(n) == (part == "MoE path")}
-            worst = max(mine, key=mine.get)
-            if mine[worst] > bound:
-                problems.append(f"{case} masters ({part}): update differs from stock's by {mine[worst]:.3g} "
-                                f"(relative) in {worst}; all above {bound / 2}: "
-                                f"{[(n, round(e, 3)) for n, e in mine.items() if e > bound / 2]}")
+        check_bf16_updates(case, ours, stock, {"MoE path": 0.5, "rest": 0.1}, problems)
     else:
         check_fp32_weights(case, ours, stock, problems)
 
